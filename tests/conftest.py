@@ -1,0 +1,51 @@
+"""Session-wide fixtures: real etcd and NATS started by the project's own launcher.
+
+Set ETCD_ENDPOINTS / NATS_SERVER to use already-running services instead.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from dynagraph.runtime.infra import LocalService, start_etcd, start_nats
+
+
+@pytest.fixture(scope="session")
+def etcd_service() -> Iterator[LocalService | None]:
+    """A local etcd for the whole test session (None when ETCD_ENDPOINTS is set)."""
+    if os.environ.get("ETCD_ENDPOINTS"):
+        yield None
+        return
+    svc = start_etcd()
+    try:
+        yield svc
+    finally:
+        svc.stop()
+
+
+@pytest.fixture(scope="session")
+def etcd_url(etcd_service: LocalService | None) -> str:
+    """``http://127.0.0.1:PORT`` of the session's etcd."""
+    return etcd_service.url if etcd_service else os.environ["ETCD_ENDPOINTS"].split(",")[0]
+
+
+@pytest.fixture(scope="session")
+def nats_service() -> Iterator[LocalService | None]:
+    """A local nats-server with JetStream for the whole session (None when NATS_SERVER is set)."""
+    if os.environ.get("NATS_SERVER"):
+        yield None
+        return
+    svc = start_nats()
+    try:
+        yield svc
+    finally:
+        svc.stop()
+
+
+@pytest.fixture(scope="session")
+def nats_url(nats_service: LocalService | None) -> str:
+    """``nats://127.0.0.1:PORT`` of the session's NATS."""
+    return nats_service.url if nats_service else os.environ["NATS_SERVER"]
