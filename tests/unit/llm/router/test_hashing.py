@@ -1,0 +1,86 @@
+from __future__ import annotations
+
+import pytest
+
+from dynagraph.errors import ConfigError
+from dynagraph.llm.router.hashing import (
+    DEFAULT_NONE_HASH_SEED,
+    BlockHasher,
+    external_hash,
+    seed_from_env,
+)
+
+# Golden values computed with vLLM 0.32's own hash_block_tokens + maybe_convert_block_hash
+# (block size 32) -- tests/vllm_router checks the same against a live engine.
+TOKENS = list(range(1, 101)) + [70000, 5, 300000] * 10  # 130 tokens: 4 full blocks
+GOLDEN = {
+    ("sha256", DEFAULT_NONE_HASH_SEED): [
+        11290800355336220572,
+        11189021207153552290,
+        5777041184176187823,
+        13082192139513834811,
+    ],
+    ("sha256_cbor", DEFAULT_NONE_HASH_SEED): [
+        12204319907483556814,
+        4209074748214054702,
+        7302816728813537907,
+        6078536134031220234,
+    ],
+    ("sha256", "42"): [
+        14700471032653791925,
+        3349333088389298850,
+        1034116827605147802,
+        8542850540771480370,
+    ],
+}
+
+
+@pytest.mark.parametrize(("algo", "seed"), list(GOLDEN))
+def test_block_hashes_match_vllm(algo: str, seed: str) -> None:
+    hasher = BlockHasher(32, algo, seed)  # type: ignore[arg-type]
+    assert hasher.block_hashes(TOKENS) == GOLDEN[(algo, seed)]
+
+
+def test_partial_block_is_ignored_and_prefixes_agree() -> None:
+    hasher = BlockHasher(32)
+    full = hasher.block_hashes(TOKENS)
+    assert hasher.block_hashes(TOKENS[:31]) == []
+    assert hasher.block_hashes(TOKENS[:64]) == full[:2]
+    assert hasher.block_hashes(TOKENS[:95]) == full[:2]
+    assert hasher.num_full_blocks(len(TOKENS)) == 4
+
+
+def test_chaining_from_a_parent_digest() -> None:
+    hasher = BlockHasher(32)
+    digests = hasher.digests(TOKENS)
+    assert (
+        hasher.block_hashes(TOKENS[64:128], parent=digests[1]) == hasher.block_hashes(TOKENS)[2:4]
+    )
+    assert hasher.hash_block(digests[0], TOKENS[32:64]) == digests[1]
+    assert hasher.hash_block(None, TOKENS[:32]) == digests[0]
+
+
+def test_same_tokens_different_prefix_differ() -> None:
+    hasher = BlockHasher(32)
+    a = hasher.block_hashes([1] * 32 + [2] * 32)
+    b = hasher.block_hashes([3] * 32 + [2] * 32)
+    assert a[1] != b[1]
+
+
+def test_external_hash_forms() -> None:
+    digest = BlockHasher(32).digests(TOKENS)[0]
+    assert external_hash(digest) == GOLDEN[("sha256", DEFAULT_NONE_HASH_SEED)][0]
+    assert external_hash(5) == 5
+    assert external_hash(-1) == (1 << 64) - 1
+
+
+def test_seed_from_env() -> None:
+    assert seed_from_env({}) == DEFAULT_NONE_HASH_SEED
+    assert seed_from_env({"PYTHONHASHSEED": "0"}) == "0"
+
+
+def test_bad_config() -> None:
+    with pytest.raises(ConfigError, match="xxhash"):
+        BlockHasher(32, "xxhash")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="block_size"):
+        BlockHasher(0)
