@@ -1,0 +1,36 @@
+"""The request plane: direct streaming RPC between processes.
+
+A callee process runs one ``RpcServer`` with named endpoints; each endpoint is an async
+generator function ``handler(payload, ctx)``. A caller process uses one ``RpcClient``;
+``client.call(address, endpoint, payload)`` returns an async iterator of the responses.
+
+Wire: TCP, length-prefixed msgpack frames (see ``_framing``), one stream at a time per
+pooled connection. Errors, as seen by the caller:
+
+    InstanceUnavailable   not delivered (connect refused/timed out, server stopping)
+    StreamBroken          connection lost after the request was sent
+    RemoteError           the handler raised (``remote_type``, ``remote_message``);
+                          types in ``dynagraph.errors.WIRE_ERRORS`` arrive as themselves
+    ProtocolError         the peer broke the wire format
+
+Cancelling the caller's iteration (break, ``aclose()``, task cancelled) cancels the
+handler; a slow caller holds the handler at its ``yield`` (bounded buffers).
+"""
+
+from __future__ import annotations
+
+from ._client import RpcClient, RpcStream
+from ._context import REQUEST_ID_HEADER, Handler, RequestContext
+from ._framing import ProtocolError
+from ._server import RpcServer, UnknownEndpoint
+
+__all__ = [
+    "REQUEST_ID_HEADER",
+    "Handler",
+    "ProtocolError",
+    "RequestContext",
+    "RpcClient",
+    "RpcServer",
+    "RpcStream",
+    "UnknownEndpoint",
+]

@@ -1,0 +1,290 @@
+"""Request-plane client: calls streaming endpoints on other processes.
+
+One ``RpcClient`` per process. It keeps a pool of idle connections per address; a
+call takes one (or connects), sends its REQUEST, and gives the connection back after
+a clean END or ERROR. A stream that is abandoned early sends CANCEL and closes its
+connection, so the callee's handler is cancelled at once.
+
+Backpressure: received bytes are decoded lazily as the caller iterates; when more
+than ``READ_HIGH_WATER`` bytes wait undecoded, the socket stops being read, TCP's
+window fills and the callee's handler is held at its ``yield``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from types import TracebackType
+from typing import Any
+
+from dynagraph.errors import InstanceUnavailable, StreamBroken
+
+from ._framing import END, ERROR, ITEM, FrameDecoder, FrameEncoder, ProtocolError, error_from_frame
+
+log = logging.getLogger(__name__)
+
+READ_HIGH_WATER = 256 * 1024
+"""Undecoded bytes above which the client stops reading the socket."""
+READ_LOW_WATER = 64 * 1024
+"""Undecoded bytes below which reading resumes."""
+
+
+class RpcClient:
+    """Calls endpoints served by ``RpcServer``s; pools connections per address.
+
+    ``call()`` may be used by many tasks at once; each concurrent stream to an address
+    uses its own connection.
+    """
+
+    def __init__(self, *, connect_timeout: float = 2.0, max_frame_bytes: int = 64 << 20,
+                 max_idle_per_address: int = 64) -> None:
+        self._connect_timeout = connect_timeout
+        self._max_frame_bytes = max_frame_bytes
+        self._max_idle = max_idle_per_address
+        self._encoder = FrameEncoder()
+        self._idle: dict[str, list[_ClientConnection]] = {}
+        self._connections: set[_ClientConnection] = set()
+        self._closed = False
+
+    def call(self, address: str, endpoint: str, payload: Any, *,
+             headers: dict[str, str] | None = None) -> RpcStream:
+        """Start a call of ``endpoint`` at ``address`` (``host:port``); iterate the result.
+
+        The payload is encoded now (a TypeError for an unencodable payload is raised
+        here); the connection is made on the first ``__anext__``. Raises, while
+        iterating: ``InstanceUnavailable`` (not delivered: connect failed or server
+        stopping; safe to retry elsewhere), ``StreamBroken`` (connection lost after the
+        request was sent), ``RemoteError`` or a ``WIRE_ERRORS`` type (handler raised).
+        Leaving the iteration early (break + garbage collection, ``aclose()``, or the
+        task being cancelled) cancels the remote handler.
+        """
+        request = self._encoder.request(endpoint, headers or {}, payload)
+        return RpcStream(self, address, endpoint, request)
+
+    async def close(self) -> None:
+        """Close every connection; streams still open see ``StreamBroken``."""
+        self._closed = True
+        self._idle.clear()
+        for conn in list(self._connections):
+            conn.abort(None)
+        self._connections.clear()
+
+    async def _acquire(self, address: str) -> _ClientConnection:
+        if self._closed:
+            raise InstanceUnavailable(f"RpcClient is closed; cannot call {address}")
+        idle = self._idle.get(address)
+        while idle:
+            conn = idle.pop()
+            if conn.reusable:
+                return conn
+        host, sep, port = address.rpartition(":")
+        if not sep or not port.isdigit():
+            raise ValueError(f"request-plane address must be 'host:port', got {address!r}")
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self._connect_timeout):
+                _, conn = await loop.create_connection(
+                    lambda: _ClientConnection(self, self._max_frame_bytes),
+                    host.strip("[]"), int(port))
+        except TimeoutError as exc:
+            raise InstanceUnavailable(
+                f"connect to {address} timed out after {self._connect_timeout}s") from exc
+        except OSError as exc:
+            raise InstanceUnavailable(f"cannot connect to {address}: {exc}") from exc
+        self._connections.add(conn)
+        return conn
+
+    def _release(self, address: str, conn: _ClientConnection) -> None:
+        idle = self._idle.setdefault(address, [])
+        if conn.reusable and not self._closed and len(idle) < self._max_idle:
+            idle.append(conn)
+        else:
+            conn.abort(None)
+
+    def _forget(self, conn: _ClientConnection) -> None:
+        self._connections.discard(conn)
+
+
+class RpcStream:
+    """The async iterator returned by ``RpcClient.call``: decoded response items.
+
+    Use ``async for``; or ``async with client.call(...) as stream`` to scope it;
+    ``aclose()`` cancels the remote handler if the stream has not ended.
+    """
+
+    def __init__(self, client: RpcClient, address: str, endpoint: str, request: bytes) -> None:
+        self._client = client
+        self._address = address
+        self._endpoint = endpoint
+        self._request: bytes | None = request
+        self._conn: _ClientConnection | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._done = False
+
+    def __aiter__(self) -> RpcStream:
+        return self
+
+    async def __anext__(self) -> Any:
+        conn = self._conn
+        if conn is None:
+            if self._done:
+                raise StopAsyncIteration
+            conn = await self._open()
+        try:
+            while True:
+                frame = conn.next_frame()
+                if frame is None:
+                    if conn.closed:
+                        raise StreamBroken(
+                            f"connection to {self._address} lost during {self._endpoint!r}"
+                            + (f": {conn.lost_reason}" if conn.lost_reason else ""))
+                    await conn.wait()
+                    continue
+                if frame[0] == ITEM and len(frame) == 2:
+                    return frame[1]
+                break
+        except BaseException:
+            self._abort()
+            raise
+        self._finish(frame)
+
+    async def _open(self) -> _ClientConnection:
+        request = self._request
+        assert request is not None
+        self._request = None
+        self._done = True  # until the request is on a connection, nothing to cancel
+        conn = await self._client._acquire(self._address)
+        self._loop = asyncio.get_running_loop()
+        conn.send_request(request)
+        self._conn = conn
+        self._done = False
+        return conn
+
+    def _finish(self, frame: list[Any]) -> None:
+        """Handle a terminal frame: END, ERROR or garbage. Always raises."""
+        conn = self._conn
+        assert conn is not None
+        self._conn = None
+        self._done = True
+        kind = frame[0]
+        if kind == END:
+            conn.end_stream()
+            self._client._release(self._address, conn)
+            raise StopAsyncIteration
+        if kind == ERROR:
+            conn.end_stream()
+            self._client._release(self._address, conn)
+            raise error_from_frame(frame)
+        conn.abort(None)
+        raise ProtocolError(f"unexpected frame kind {kind!r} from {self._address}")
+
+    def _abort(self) -> None:
+        conn = self._conn
+        self._conn = None
+        self._done = True
+        if conn is not None:
+            conn.abort(self._client._encoder.cancel())
+
+    async def aclose(self) -> None:
+        """End the stream; if it was still running, the remote handler is cancelled."""
+        self._abort()
+
+    async def __aenter__(self) -> RpcStream:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: TracebackType | None) -> None:
+        self._abort()
+
+    def __del__(self) -> None:
+        conn = self._conn
+        if conn is not None and not conn.closed and self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # loop already closed
+                self._loop.call_soon_threadsafe(conn.abort, self._client._encoder.cancel())
+
+
+class _ClientConnection(asyncio.Protocol):
+    """One TCP connection to a server; carries one stream at a time."""
+
+    def __init__(self, client: RpcClient, max_frame_bytes: int) -> None:
+        self._client = client
+        self._decoder = FrameDecoder(max_frame_bytes)
+        self._transport: asyncio.Transport | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._reading_paused = False
+        self._in_stream = False
+        self.closed = False
+        self.lost_reason = ""
+
+    @property
+    def reusable(self) -> bool:
+        return (not self.closed and not self._in_stream and self._decoder.buffered == 0
+                and self._transport is not None and not self._transport.is_closing())
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+
+    def data_received(self, data: bytes) -> None:
+        if not self._in_stream:
+            log.warning("unexpected data on an idle request-plane connection; closing it")
+            self.abort(None)
+            return
+        self._decoder.feed(data)
+        if self._decoder.buffered > READ_HIGH_WATER and not self._reading_paused:
+            assert self._transport is not None
+            self._reading_paused = True
+            self._transport.pause_reading()
+        self._wake()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if exc is not None:
+            self.lost_reason = str(exc) or type(exc).__name__
+        self._wake()
+        self._client._forget(self)
+
+    def send_request(self, request: bytes) -> None:
+        assert self._transport is not None and not self._in_stream
+        self._in_stream = True
+        self._transport.write(request)
+
+    def end_stream(self) -> None:
+        self._in_stream = False
+
+    def next_frame(self) -> list[Any] | None:
+        """The next complete frame, or None if more bytes are needed."""
+        frame = self._decoder.next()
+        if self._reading_paused and (frame is None or self._decoder.buffered < READ_LOW_WATER):
+            assert self._transport is not None
+            self._reading_paused = False
+            if not self.closed:
+                self._transport.resume_reading()
+        return frame
+
+    async def wait(self) -> None:
+        """Wait until more bytes arrive or the connection is lost."""
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def abort(self, cancel_frame: bytes | None) -> None:
+        """Close the connection, sending ``cancel_frame`` first if given."""
+        self._in_stream = False
+        if self._transport is not None and not self._transport.is_closing():
+            if cancel_frame is not None:
+                self._transport.write(cancel_frame)
+            self._transport.close()

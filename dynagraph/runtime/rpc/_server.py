@@ -1,0 +1,279 @@
+"""Request-plane server: serves named streaming endpoints over TCP.
+
+One connection carries one stream at a time (like HTTP/1.1 keep-alive); a caller that
+wants concurrency opens more connections. Each stream runs its handler in its own task.
+
+Backpressure: responses are buffered per connection and handed to the transport at the
+end of the current event-loop iteration (or every ``FLUSH_BYTES``). When the transport's
+buffer passes its high-water mark (the reader is slow), the stream's task waits before
+asking the handler for its next item, so a fast producer is held at its ``yield``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+from dynagraph.errors import WIRE_ERRORS, InstanceUnavailable
+
+from ._context import Handler, RequestContext
+from ._framing import CANCEL, REQUEST, FrameDecoder, FrameEncoder, ProtocolError
+
+log = logging.getLogger(__name__)
+
+FLUSH_BYTES = 64 * 1024
+"""Buffered response bytes that force a write before the loop iteration ends."""
+WRITE_HIGH_WATER = 256 * 1024
+"""Transport buffer size above which the handler is paused (TCP window full)."""
+
+
+class UnknownEndpoint(LookupError):
+    """Sent to a caller that named an endpoint this server does not serve."""
+
+
+class RpcServer:
+    """Serves streaming endpoints. Owned by one component process.
+
+    Call ``add_endpoint`` for each endpoint, then ``start()``; publish ``address``
+    through discovery; ``stop()`` on shutdown.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *,
+                 max_frame_bytes: int = 64 << 20) -> None:
+        self._host = host
+        self._port = port
+        self._max_frame_bytes = max_frame_bytes
+        self._handlers: dict[str, Handler] = {}
+        self._server: asyncio.Server | None = None
+        self._connections: set[_ServerConnection] = set()
+        self._address: str | None = None
+        self.stopping = False
+
+    def add_endpoint(self, name: str, handler: Handler) -> None:
+        """Register ``handler`` (an async generator function ``(payload, ctx)``) as ``name``."""
+        if name in self._handlers:
+            raise ValueError(f"endpoint {name!r} is already registered")
+        self._handlers[name] = handler
+
+    @property
+    def endpoints(self) -> list[str]:
+        return sorted(self._handlers)
+
+    def handler(self, name: str) -> Handler | None:
+        return self._handlers.get(name)
+
+    async def start(self) -> None:
+        """Bind and start accepting connections."""
+        if self._server is not None:
+            raise RuntimeError("RpcServer already started")
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            lambda: _ServerConnection(self, self._max_frame_bytes), self._host, self._port)
+        sockname = self._server.sockets[0].getsockname()
+        self._address = f"{sockname[0]}:{sockname[1]}"
+        log.info("request plane listening on %s, endpoints %s", self._address, self.endpoints)
+
+    @property
+    def address(self) -> str:
+        """``host:port`` the server listens on (valid after ``start()``)."""
+        if self._address is None:
+            raise RuntimeError("RpcServer.address is only known after start()")
+        return self._address
+
+    def _track(self, conn: _ServerConnection, alive: bool) -> None:
+        if alive:
+            self._connections.add(conn)
+        else:
+            self._connections.discard(conn)
+
+    async def stop(self, grace: float = 5.0) -> None:
+        """Stop accepting; give in-flight streams ``grace`` seconds, then cancel them.
+
+        Idle connections are closed at once; a connection closes after its stream ends.
+        Callers whose stream was cancelled see ``StreamBroken``.
+        """
+        if self._server is None or self.stopping:
+            return
+        self.stopping = True
+        self._server.close()
+        for conn in list(self._connections):
+            if conn.task is None:
+                conn.close()
+        tasks = [c.task for c in self._connections if c.task is not None]
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=grace)
+            if pending:
+                log.warning("cancelling %d streams still running after %.1fs grace",
+                            len(pending), grace)
+                for conn in list(self._connections):
+                    conn.cancel_stream()
+                await asyncio.wait(pending, timeout=1.0)
+        for conn in list(self._connections):
+            conn.close()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(1.0):
+                await self._server.wait_closed()
+        log.info("request plane on %s stopped", self._address)
+
+
+class _ServerConnection(asyncio.Protocol):
+    """One accepted connection: decodes requests, runs one stream at a time."""
+
+    def __init__(self, server: RpcServer, max_frame_bytes: int) -> None:
+        self._server = server
+        self._decoder = FrameDecoder(max_frame_bytes)
+        self._encoder = FrameEncoder()
+        self._transport: asyncio.Transport | None = None
+        self._peer = ""
+        self._out = bytearray()
+        self._flush_scheduled = False
+        self._drain: asyncio.Future[None] | None = None
+        self._paused = False
+        self._closed = False
+        self.task: asyncio.Task[None] | None = None
+        self._ctx: RequestContext | None = None
+
+    # -- asyncio.Protocol callbacks ---------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+        transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
+        peer = transport.get_extra_info("peername")
+        self._peer = f"{peer[0]}:{peer[1]}" if peer else "?"
+        self._server._track(self, True)
+
+    def data_received(self, data: bytes) -> None:
+        self._decoder.feed(data)
+        try:
+            while (frame := self._decoder.next()) is not None:
+                kind = frame[0]
+                if kind == REQUEST and self.task is None:
+                    self._start_stream(frame)
+                elif kind == CANCEL:
+                    self.cancel_stream()  # a CANCEL that crossed our END is harmless
+                else:
+                    raise ProtocolError(f"unexpected frame kind {kind!r} "
+                                        f"(stream active: {self.task is not None})")
+        except ProtocolError as exc:
+            log.warning("dropping connection from %s: %s", self._peer, exc)
+            self.cancel_stream()
+            self.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._closed = True
+        self.cancel_stream()
+        self._wake_drain()
+        self._server._track(self, False)
+
+    def pause_writing(self) -> None:
+        self._paused = True
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        self._wake_drain()
+
+    # -- streams ----------------------------------------------------------------------
+
+    def _start_stream(self, frame: list[Any]) -> None:
+        if len(frame) != 4 or not isinstance(frame[1], str) or not isinstance(frame[2], dict):
+            raise ProtocolError("malformed request frame")
+        _, endpoint, headers, payload = frame
+        if self._server.stopping:
+            self._write(self._encoder.plane_error(
+                InstanceUnavailable, f"server {self._server.address} is stopping"))
+            self.close()
+            return
+        ctx = RequestContext.from_headers(headers, endpoint=endpoint, peer=self._peer)
+        handler = self._server.handler(endpoint)
+        if handler is None:
+            self._write(self._encoder.error(UnknownEndpoint(
+                f"no endpoint {endpoint!r} on {self._server.address} "
+                f"(serving: {', '.join(self._server.endpoints) or 'none'})")))
+            self._flush()
+            return
+        self._ctx = ctx
+        self.task = asyncio.get_running_loop().create_task(
+            self._run(handler, payload, ctx), name=f"rpc:{endpoint}:{ctx.request_id}")
+
+    async def _run(self, handler: Handler, payload: Any, ctx: RequestContext) -> None:
+        try:
+            agen = handler(payload, ctx)
+            async with contextlib.aclosing(agen):  # type: ignore[type-var]
+                async for item in agen:
+                    self._write(self._encoder.item(item))
+                    if len(self._out) >= FLUSH_BYTES:
+                        self._flush()
+                        await asyncio.sleep(0)  # a tight producer must not starve the loop
+                    if self._paused:
+                        await self._wait_drain()
+        except asyncio.CancelledError:
+            log.debug("request %s on %s cancelled", ctx.request_id, ctx.endpoint)
+            self._end_stream()
+            raise
+        except Exception as exc:  # the handler's error goes to the caller, typed
+            self._log_handler_error(ctx, exc)
+            self._end_stream()
+            self._write(self._encoder.error(exc))
+        else:
+            self._end_stream()
+            self._write(self._encoder.end())
+        self._flush()
+        if self._server.stopping:
+            self.close()
+
+    def _end_stream(self) -> None:
+        # Must happen before the terminal frame is written: the caller may send its
+        # next REQUEST on this connection as soon as it reads END.
+        self.task = None
+        self._ctx = None
+
+    def cancel_stream(self) -> None:
+        """Cancel the running handler, if any (caller cancelled, left, or server stops)."""
+        if self.task is not None:
+            if self._ctx is not None:
+                self._ctx.cancelled = True
+            self.task.cancel()
+
+    @staticmethod
+    def _log_handler_error(ctx: RequestContext, exc: Exception) -> None:
+        if any(cls.__name__ in WIRE_ERRORS for cls in type(exc).__mro__):
+            log.info("request %s on %s: %s: %s", ctx.request_id, ctx.endpoint,
+                     type(exc).__name__, exc)
+        else:
+            log.error("request %s on %s failed", ctx.request_id, ctx.endpoint, exc_info=exc)
+
+    # -- output -----------------------------------------------------------------------
+
+    def _write(self, frame: bytes) -> None:
+        self._out += frame
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        if not self._out or self._closed or self._transport is None:
+            self._out.clear()
+            return
+        data, self._out = self._out, bytearray()  # never mutate a buffer after write()
+        self._transport.write(data)
+
+    async def _wait_drain(self) -> None:
+        while self._paused and not self._closed:
+            if self._drain is None or self._drain.done():
+                self._drain = asyncio.get_running_loop().create_future()
+            await self._drain
+
+    def _wake_drain(self) -> None:
+        if self._drain is not None:
+            if not self._drain.done():
+                self._drain.set_result(None)
+            self._drain = None
+
+    def close(self) -> None:
+        if self._transport is not None and not self._transport.is_closing():
+            self._flush()
+            self._transport.close()

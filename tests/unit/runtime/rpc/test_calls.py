@@ -1,0 +1,146 @@
+"""Server and client in one event loop on 127.0.0.1: calls, payloads, errors."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pydantic
+import pytest
+
+from dynagraph.errors import InstanceUnavailable, InvalidRequest, RemoteError
+from dynagraph.runtime.rpc import ProtocolError, RequestContext, RpcClient, RpcServer
+
+from .conftest import collect
+
+
+async def test_streams_all_items_then_ends(server: RpcServer, client: RpcClient) -> None:
+    assert await collect(client.call(server.address, "count", {"n": 1000})) == list(range(1000))
+    assert await collect(client.call(server.address, "count", {"n": 0})) == []
+
+
+async def test_address_is_loopback_with_a_real_port(server: RpcServer) -> None:
+    host, port = server.address.rsplit(":", 1)
+    assert host == "127.0.0.1" and int(port) > 0
+
+
+async def test_request_id_comes_from_header_or_is_generated(
+        server: RpcServer, client: RpcClient) -> None:
+    [given] = await collect(client.call(server.address, "echo", [1, "a"],
+                                        headers={"x-request-id": "req-7", "k": "v"}))
+    assert given["request_id"] == "req-7"
+    assert given["headers"] == {"x-request-id": "req-7", "k": "v"}
+    assert given["payload"] == [1, "a"] and given["endpoint"] == "echo"
+    [generated] = await collect(client.call(server.address, "echo", None))
+    assert len(generated["request_id"]) == 32
+    assert generated["headers"] == {"x-request-id": generated["request_id"]}
+
+
+async def test_connection_is_reused_by_sequential_calls(
+        server: RpcServer, client: RpcClient) -> None:
+    peers = {(await collect(client.call(server.address, "echo", i)))[0]["peer"] for i in range(5)}
+    assert len(peers) == 1
+
+
+async def test_concurrent_calls_each_get_their_own_stream(
+        server: RpcServer, client: RpcClient) -> None:
+    results = await asyncio.gather(
+        *(collect(client.call(server.address, "count", {"n": n})) for n in range(1, 30)))
+    assert results == [list(range(n)) for n in range(1, 30)]
+
+
+class Usage(pydantic.BaseModel):
+    prompt_tokens: int
+
+
+class Chunk(pydantic.BaseModel):
+    token_ids: list[int]
+    usage: Usage | None = None
+
+
+async def test_handlers_may_yield_pydantic_models(client: RpcClient) -> None:
+    async def gen(payload: Any, ctx: RequestContext) -> AsyncIterator[Chunk]:
+        yield Chunk(token_ids=[1, 2])
+        yield Chunk(token_ids=[3], usage=Usage(prompt_tokens=5))
+
+    srv = RpcServer()
+    srv.add_endpoint("gen", gen)
+    await srv.start()
+    try:
+        got = await collect(client.call(srv.address, "gen", Chunk(token_ids=[])))
+    finally:
+        await srv.stop()
+    assert got == [{"token_ids": [1, 2], "usage": None},
+                   {"token_ids": [3], "usage": {"prompt_tokens": 5}}]
+
+
+async def test_unknown_endpoint_names_it(server: RpcServer, client: RpcClient) -> None:
+    with pytest.raises(RemoteError, match="no endpoint 'nope'") as info:
+        await collect(client.call(server.address, "nope", None))
+    assert info.value.remote_type == "UnknownEndpoint"
+    assert "count" in info.value.remote_message  # lists what is served
+    assert await collect(client.call(server.address, "count", {"n": 2})) == [0, 1]
+
+
+async def test_handler_exception_arrives_as_remote_error(
+        server: RpcServer, client: RpcClient) -> None:
+    got: list[Any] = []
+    with pytest.raises(RemoteError) as info:
+        async for item in client.call(server.address, "fail", "x"):
+            got.append(item)
+    assert got == ["before"]
+    assert (info.value.remote_type, info.value.remote_message) == ("ValueError",
+                                                                  "cannot handle 'x'")
+
+
+async def test_wire_errors_are_reraised_as_their_own_type(
+        server: RpcServer, client: RpcClient) -> None:
+    with pytest.raises(InvalidRequest, match="max_tokens must be positive") as info:
+        await collect(client.call(server.address, "fail", "invalid"))
+    assert type(info.value) is InvalidRequest and info.value.param == "max_tokens"
+
+
+async def test_unencodable_items_and_payloads(server: RpcServer, client: RpcClient) -> None:
+    with pytest.raises(RemoteError) as info:
+        await collect(client.call(server.address, "bad_item", None))
+    assert info.value.remote_type == "TypeError"
+    with pytest.raises(TypeError):
+        client.call(server.address, "echo", object())
+    assert await collect(client.call(server.address, "count", {"n": 1})) == [0]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def test_dead_address_fails_fast_with_instance_unavailable(client: RpcClient) -> None:
+    start = time.monotonic()
+    with pytest.raises(InstanceUnavailable, match="cannot connect"):
+        await collect(client.call(f"127.0.0.1:{free_port()}", "count", {"n": 1}))
+    assert time.monotonic() - start < 0.1
+
+
+async def test_malformed_address_is_a_value_error(client: RpcClient) -> None:
+    with pytest.raises(ValueError, match="host:port"):
+        await collect(client.call("localhost", "count", None))
+
+
+async def test_oversized_response_frame_is_a_protocol_error(server: RpcServer) -> None:
+    small = RpcClient(max_frame_bytes=64)
+    try:
+        with pytest.raises(ProtocolError, match="exceeds max_frame_bytes"):
+            await collect(small.call(server.address, "echo", "x" * 100))
+    finally:
+        await small.close()
+
+
+async def test_closed_client_refuses_calls(server: RpcServer) -> None:
+    cl = RpcClient()
+    await cl.close()
+    with pytest.raises(InstanceUnavailable, match="closed"):
+        await collect(cl.call(server.address, "count", {"n": 1}))

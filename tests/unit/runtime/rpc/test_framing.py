@@ -1,0 +1,139 @@
+from __future__ import annotations
+
+import dataclasses
+import enum
+import struct
+
+import msgpack
+import pydantic
+import pytest
+
+from dynagraph.errors import InvalidRequest, PromptTooLong, RemoteError
+from dynagraph.runtime.rpc._framing import (
+    CANCEL,
+    END,
+    ERROR,
+    ITEM,
+    REQUEST,
+    FrameDecoder,
+    FrameEncoder,
+    ProtocolError,
+    error_body,
+    error_from_frame,
+)
+
+
+class Color(enum.Enum):
+    RED = "red"
+
+
+class Inner(pydantic.BaseModel):
+    ids: list[int]
+
+
+class Chunk(pydantic.BaseModel):
+    text: str
+    inner: Inner
+    color: Color
+
+
+@dataclasses.dataclass
+class Point:
+    x: int
+    y: int
+
+
+def decode_all(data: bytes, max_frame_bytes: int = 1 << 20) -> list[list[object]]:
+    dec = FrameDecoder(max_frame_bytes)
+    dec.feed(data)
+    frames = []
+    while (frame := dec.next()) is not None:
+        frames.append(frame)
+    assert dec.buffered == 0
+    return frames
+
+
+def test_round_trip_of_every_frame_kind() -> None:
+    enc = FrameEncoder()
+    data = (enc.request("generate", {"x-request-id": "r1"}, {"a": [1, 2]})
+            + enc.item(b"\x00bytes") + enc.item({1: "int key"}) + enc.end() + enc.cancel())
+    assert decode_all(data) == [
+        [REQUEST, "generate", {"x-request-id": "r1"}, {"a": [1, 2]}],
+        [ITEM, b"\x00bytes"],
+        [ITEM, {1: "int key"}],
+        [END],
+        [CANCEL],
+    ]
+
+
+def test_pydantic_models_dataclasses_and_enums_arrive_as_plain_values() -> None:
+    enc = FrameEncoder()
+    chunk = Chunk(text="hi", inner=Inner(ids=[1, 2]), color=Color.RED)
+    frames = decode_all(enc.item([chunk, Point(1, 2), {3, 4}]))
+    assert frames == [[ITEM, [{"text": "hi", "inner": {"ids": [1, 2]}, "color": "red"},
+                              {"x": 1, "y": 2}, [3, 4]]]]
+
+
+def test_unencodable_payload_raises_type_error() -> None:
+    with pytest.raises(TypeError, match="cannot encode object"):
+        FrameEncoder().item(object())
+
+
+def test_decoder_handles_frames_split_at_every_byte() -> None:
+    enc = FrameEncoder()
+    data = enc.item("a" * 300) + enc.item(7) + enc.end()
+    dec = FrameDecoder(1 << 20)
+    frames = []
+    for i in range(len(data)):
+        dec.feed(data[i:i + 1])
+        while (frame := dec.next()) is not None:
+            frames.append(frame)
+    assert frames == [[ITEM, "a" * 300], [ITEM, 7], [END]]
+
+
+def test_oversized_frame_is_refused_from_its_header() -> None:
+    dec = FrameDecoder(max_frame_bytes=100)
+    dec.feed(struct.pack(">I", 101))
+    with pytest.raises(ProtocolError, match="exceeds max_frame_bytes=100"):
+        dec.next()
+
+
+def test_garbage_body_and_non_array_frame_are_protocol_errors() -> None:
+    dec = FrameDecoder(100)
+    dec.feed(struct.pack(">I", 1) + b"\xc1")  # 0xc1 is never valid msgpack
+    with pytest.raises(ProtocolError, match="undecodable"):
+        dec.next()
+    body = msgpack.packb({"not": "an array"})
+    dec = FrameDecoder(100)
+    dec.feed(struct.pack(">I", len(body)) + body)
+    with pytest.raises(ProtocolError, match="not a non-empty array"):
+        dec.next()
+
+
+def test_plain_exception_becomes_remote_error() -> None:
+    frame = list(error_body(ValueError("bad value")))
+    assert frame[0] == ERROR
+    exc = error_from_frame(frame)
+    assert isinstance(exc, RemoteError)
+    assert (exc.remote_type, exc.remote_message) == ("ValueError", "bad value")
+
+
+def test_wire_errors_keep_their_type_message_and_scalar_attributes() -> None:
+    exc = error_from_frame(list(error_body(PromptTooLong("too long", param="messages"))))
+    assert type(exc) is PromptTooLong
+    assert str(exc) == "too long"
+    assert exc.param == "messages" and exc.code is None
+
+
+def test_local_subclass_of_a_wire_error_arrives_as_the_wire_type() -> None:
+    class MyBadRequest(InvalidRequest):
+        pass
+
+    body = error_body(MyBadRequest("nope"))
+    assert body[1] == "MyBadRequest"
+    exc = error_from_frame(list(body))
+    assert type(exc) is InvalidRequest and str(exc) == "nope"
+
+
+def test_malformed_error_frame_is_a_protocol_error() -> None:
+    assert isinstance(error_from_frame([ERROR, "x"]), ProtocolError)
