@@ -1,0 +1,296 @@
+"""``dynamo serve MODULE:Component -f CONFIG``: run a graph as OS processes.
+
+One process per component worker (``python -m dynagraph.cli.child``). Each line a child
+prints is echoed with a ``[Component:index]`` prefix. ``serve`` returns once the graph
+is stopped:
+
+- **Ready**: every component has ``workers`` instance records in etcd, else after
+  ``--ready-timeout`` it names the missing ones, stops everything and exits 1.
+- **Stop**: on SIGINT/SIGTERM every child gets SIGTERM, then SIGKILL after
+  ``--stop-timeout`` (default 8 s); the local etcd/NATS it started go last. Children
+  also get SIGTERM from the kernel if the supervisor itself dies (PDEATHSIG).
+- **A child that exits by itself** is never restarted silently. With
+  ``--restart on-failure`` (the default) it is restarted after a logged backoff of 1, 2,
+  4 ... 30 s; more than ``--max-restarts`` restarts within 60 s stops the graph. With
+  ``--restart never`` the graph stops at once. Either way, a graph stopped because of
+  a child exits with that child's exit code (128 + signal number if it was killed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from dynagraph.runtime.infra import LocalService, start_etcd, start_nats
+from dynagraph.sdk._config import ComponentConfig
+from dynagraph.sdk._graph import Graph
+from dynagraph.sdk._service import spec_of
+
+log = logging.getLogger("dynagraph.serve")
+
+PR_SET_PDEATHSIG = 1
+RESTART_WINDOW = 60.0
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass
+class Child:
+    component: str
+    index: int
+    env: dict[str, str]
+    proc: asyncio.subprocess.Process | None = None
+    restarts: list[float] = field(default_factory=list)
+    pump: asyncio.Task[None] | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.component}:{self.index}"
+
+
+@dataclass
+class ServeOptions:
+    ready_timeout: float = 180.0
+    stop_timeout: float = 8.0
+    restart: str = "on-failure"  # or "never"
+    max_restarts: int = 5
+
+
+class Supervisor:
+    def __init__(self, target: str, graph: Graph, configs: dict[str, ComponentConfig],
+                 options: ServeOptions) -> None:
+        self.target = target
+        self.graph = graph
+        self.configs = configs
+        self.opts = options
+        self.children: list[Child] = []
+        self.services: list[LocalService] = []
+        self.stopping = asyncio.Event()
+        self.exit_code = 0
+        self._tmp = tempfile.TemporaryDirectory(prefix="dynamo-serve-")
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        t0 = time.monotonic()
+        discovery = None
+        try:
+            env = self._infra_env()
+            from dynagraph.runtime.discovery import discovery_from_env
+
+            discovery = discovery_from_env(env["ETCD_ENDPOINTS"])
+            await discovery.start()
+            spec_path = self._write_spec(env)
+            for cls in self.graph.nodes:
+                name = spec_of(cls).name
+                cfg = self.configs[name]
+                for i in range(cfg.service_args.workers):
+                    child_env = {**os.environ, **env, **cfg.service_args.env,
+                                 **_devices(cfg.service_args.resources, i)}
+                    child = Child(name, i, child_env)
+                    self.children.append(child)
+                    await self._spawn(child, spec_path)
+            if await self._wait_ready(discovery, t0):
+                print(self._ready_banner(await self._records(discovery), time.monotonic() - t0),
+                      flush=True)
+                await self._watch_children(spec_path)
+            else:
+                self.exit_code = 1
+        finally:
+            t1 = time.monotonic()
+            await self._stop_children()
+            if discovery is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(discovery.close(), 3)
+            for svc in reversed(self.services):
+                svc.stop()
+            self._tmp.cleanup()
+            log.info("stopped in %.2fs", time.monotonic() - t1)
+        return self.exit_code
+
+    def _on_signal(self, sig: int) -> None:
+        if not self.stopping.is_set():
+            log.info("received %s, stopping the graph", signal.Signals(sig).name)
+        self.stopping.set()
+
+    def _infra_env(self) -> dict[str, str]:
+        env: dict[str, str] = {}
+        etcd = os.environ.get("ETCD_ENDPOINTS")
+        if not etcd:
+            svc = start_etcd()
+            self.services.append(svc)
+            etcd = svc.url
+            log.info("ETCD_ENDPOINTS not set: started a local etcd at %s", etcd)
+        nats = os.environ.get("NATS_SERVER")
+        if not nats:
+            svc = start_nats()
+            self.services.append(svc)
+            nats = svc.url
+            log.info("NATS_SERVER not set: started a local nats-server at %s", nats)
+        env["ETCD_ENDPOINTS"] = etcd
+        env["NATS_SERVER"] = nats
+        return env
+
+    def _write_spec(self, env: dict[str, str]) -> str:
+        spec = {
+            "target": self.target,
+            "cwd": os.getcwd(),
+            "configs": {n: {"values": c.values, "service_args": c.service_args.model_dump()}
+                        for n, c in self.configs.items()},
+            **env,
+        }
+        path = os.path.join(self._tmp.name, "run.json")
+        with open(path, "w") as f:
+            json.dump(spec, f)
+        return path
+
+    async def _spawn(self, child: Child, spec_path: str) -> None:
+        child.proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "dynagraph.cli.child", "--spec", spec_path,
+            "--component", child.component, "--index", str(child.index),
+            env=child.env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT, preexec_fn=_die_with_parent,
+        )
+        child.pump = asyncio.create_task(_pump(child))
+        log.info("started %s pid=%d", child.label, child.proc.pid)
+
+    async def _records(self, discovery: Any) -> dict[str, list[dict[str, Any]]]:
+        out: dict[str, list[dict[str, Any]]] = {}
+        for ns in {spec_of(c).namespace for c in self.graph.nodes}:
+            for key, value in (await discovery.get_prefix(f"/{ns}/instances/")).items():
+                out.setdefault(key.split("/")[3], []).append(value)
+        return out
+
+    async def _wait_ready(self, discovery: Any, t0: float) -> bool:
+        want = {n: c.service_args.workers for n, c in self.configs.items()}
+        delay = 0.02
+        while not self.stopping.is_set():
+            have = {n: len(v) for n, v in (await self._records(discovery)).items()}
+            missing = {n: w - have.get(n, 0) for n, w in want.items() if have.get(n, 0) < w}
+            if not missing:
+                return True
+            dead = [c for c in self.children if c.proc and c.proc.returncode is not None]
+            if dead:
+                self.exit_code = _exit_code(dead[0].proc.returncode)  # type: ignore[union-attr]
+                log.error("%s exited with code %s before the graph was ready", dead[0].label,
+                          dead[0].proc.returncode)  # type: ignore[union-attr]
+                return False
+            if time.monotonic() - t0 > self.opts.ready_timeout:
+                log.error("graph not ready after %.0fs; still missing: %s", self.opts.ready_timeout,
+                          ", ".join(f"{n} ({k} of {want[n]} workers)" for n, k in missing.items()))
+                return False
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.stopping.wait(), delay)
+            delay = min(delay * 1.5, 0.25)
+        return False
+
+    def _ready_banner(self, records: dict[str, list[dict[str, Any]]], secs: float) -> str:
+        lines = [f"dynamo serve: graph {self.target} ready in {secs:.2f}s"]
+        for name in self.graph.names():
+            for rec in records.get(name, []):
+                url = rec.get("url")
+                extra = f" url={url}" if url else ""
+                lines.append(f"  {name}[{rec.get('worker_index')}] pid={rec.get('pid')} "
+                             f"rpc={rec.get('address')} metrics={rec.get('metrics')}{extra}")
+        return "\n".join(lines)
+
+    async def _watch_children(self, spec_path: str) -> None:
+        while not self.stopping.is_set():
+            waits = {asyncio.ensure_future(c.proc.wait()): c for c in self.children if c.proc}
+            stop_wait = asyncio.ensure_future(self.stopping.wait())
+            done, _ = await asyncio.wait([*waits, stop_wait], return_when=asyncio.FIRST_COMPLETED)
+            for fut in [*waits, stop_wait]:
+                if fut not in done:
+                    fut.cancel()
+            if self.stopping.is_set():
+                return
+            for fut in done:
+                child = waits.get(fut)
+                if child is not None and not await self._handle_exit(child, spec_path):
+                    return
+
+    async def _handle_exit(self, child: Child, spec_path: str) -> bool:
+        """A child exited on its own: restart it (True) or stop the graph (False)."""
+        assert child.proc is not None
+        code = child.proc.returncode
+        log.error("%s (pid %d) exited with code %s", child.label, child.proc.pid, code)
+        now = time.monotonic()
+        child.restarts = [t for t in child.restarts if now - t < RESTART_WINDOW]
+        if self.opts.restart == "never" or len(child.restarts) >= self.opts.max_restarts:
+            why = "--restart never" if self.opts.restart == "never" else (
+                f"{len(child.restarts)} restarts within {RESTART_WINDOW:.0f}s")
+            log.error("stopping the graph (%s)", why)
+            self.exit_code = _exit_code(code)
+            self.stopping.set()
+            return False
+        backoff = min(2.0 ** len(child.restarts), 30.0)
+        log.warning("restarting %s in %.0fs (restart %d)", child.label, backoff,
+                    len(child.restarts) + 1)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.stopping.wait(), backoff)
+        if self.stopping.is_set():
+            return False
+        child.restarts.append(time.monotonic())
+        await self._spawn(child, spec_path)
+        return True
+
+    async def _stop_children(self) -> None:
+        live = [c for c in self.children if c.proc and c.proc.returncode is None]
+        for c in live:
+            with contextlib.suppress(ProcessLookupError):
+                c.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+        if live:
+            waits = [asyncio.ensure_future(c.proc.wait()) for c in live]  # type: ignore[union-attr]
+            _, pending = await asyncio.wait(waits, timeout=self.opts.stop_timeout)
+            for c in live:
+                if c.proc.returncode is None:  # type: ignore[union-attr]
+                    log.warning("%s did not stop in %.0fs: SIGKILL", c.label, self.opts.stop_timeout)
+                    with contextlib.suppress(ProcessLookupError):
+                        c.proc.kill()  # type: ignore[union-attr]
+            if pending:
+                await asyncio.wait(pending, timeout=5)
+        for c in self.children:
+            if c.pump is not None:
+                with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+                    await asyncio.wait_for(c.pump, 2)
+
+
+async def _pump(child: Child) -> None:
+    """Echo the child's output line by line with its label."""
+    assert child.proc is not None and child.proc.stdout is not None
+    prefix = f"[{child.label}] ".encode()
+    out = sys.stdout.buffer
+    while True:
+        line = await child.proc.stdout.readline()
+        if not line:
+            return
+        out.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
+        out.flush()
+
+
+def _exit_code(returncode: int | None) -> int:
+    if returncode is None:
+        return 1
+    return 128 - returncode if returncode < 0 else (returncode or 1)
+
+
+def _devices(resources: dict[str, Any], index: int) -> dict[str, str]:
+    """Give worker ``index`` its own GPUs when ``resources: {gpu: N}`` is set."""
+    n = int(resources.get("gpu", 0) or 0)
+    if n <= 0:
+        return {}
+    return {"CUDA_VISIBLE_DEVICES": ",".join(str(index * n + k) for k in range(n))}

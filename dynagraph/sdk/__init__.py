@@ -1,0 +1,39 @@
+"""The component SDK: what a component author imports.
+
+```python
+from dynagraph.sdk import service, depends, endpoint, async_on_start, async_on_shutdown
+```
+"""
+
+from dynagraph.sdk._client import ComponentClient, EndpointClient
+from dynagraph.sdk._config import ComponentConfig, ServiceArgs, resolve_config
+from dynagraph.sdk._context import RuntimeContext, current_request_id
+from dynagraph.sdk._graph import Graph, resolve_target
+from dynagraph.sdk._service import (
+    ServiceSpec,
+    async_on_shutdown,
+    async_on_start,
+    depends,
+    endpoint,
+    service,
+    spec_of,
+)
+
+__all__ = [
+    "ComponentClient",
+    "ComponentConfig",
+    "EndpointClient",
+    "Graph",
+    "RuntimeContext",
+    "ServiceArgs",
+    "ServiceSpec",
+    "async_on_shutdown",
+    "async_on_start",
+    "current_request_id",
+    "depends",
+    "endpoint",
+    "resolve_config",
+    "resolve_target",
+    "service",
+    "spec_of",
+]

@@ -1,0 +1,187 @@
+"""Graph configuration: one YAML file keyed by component class name.
+
+```yaml
+Common:                       # shared values, pulled in by name
+  model: models/tiny-llama
+VllmWorker:
+  common-configs: [model]     # copy these keys from Common
+  max-model-len: 2048
+  ServiceArgs:                # how to run it, not what it does
+    workers: 2
+    resources: {cpu: 1}
+    env: {VLLM_CPU_KVCACHE_SPACE: "1"}
+```
+
+Command-line overrides ``--VllmWorker.max-model-len=4096`` (values parsed as YAML) win
+over the file. Everything is checked before anything starts: unknown components,
+unknown keys and wrong types raise ``ConfigError`` naming the file, component and key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from dynagraph.errors import ConfigError
+from dynagraph.sdk._graph import Graph
+from dynagraph.sdk._service import spec_of
+
+COMMON = "Common"
+COMMON_KEYS = "common-configs"
+SERVICE_ARGS = "ServiceArgs"
+
+
+class ServiceArgs(BaseModel):
+    """Process-level settings of one component."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    workers: int = Field(default=1, ge=1, le=64)
+    resources: dict[str, Any] = Field(default_factory=dict)
+    env: dict[str, str] = Field(default_factory=dict)
+
+
+@dataclass
+class ComponentConfig:
+    """The resolved settings of one component."""
+
+    name: str
+    service_args: ServiceArgs
+    values: dict[str, Any] = field(default_factory=dict)  # validated, JSON-able, by field name
+
+
+def parse_overrides(args: list[str]) -> dict[str, dict[str, Any]]:
+    """``["--Comp.key=value", ...]`` -> ``{"Comp": {"key": value}}`` (values parsed as YAML)."""
+    out: dict[str, dict[str, Any]] = {}
+    for arg in args:
+        body = arg[2:] if arg.startswith("--") else arg
+        name, eq, raw = body.partition("=")
+        comp, dot, key = name.partition(".")
+        if not eq or not dot or not comp or not key:
+            raise ConfigError(f"override {arg!r} must look like --Component.key=value")
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"override {arg!r}: value is not valid YAML ({exc})") from exc
+        out.setdefault(comp, {})[key] = value
+    return out
+
+
+def load_yaml(path: str | Path | None) -> dict[str, Any]:
+    if path is None:
+        return {}
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config: {exc.strerror}", file=str(p)) from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"broken YAML: {exc}", file=str(p)) from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError("top level must be a mapping of component names", file=str(p))
+    return data
+
+
+def resolve_config(
+    graph: Graph, path: str | Path | None, overrides: list[str] | None = None
+) -> dict[str, ComponentConfig]:
+    """Validate the file (and overrides) against the graph; one ComponentConfig per node."""
+    file = str(path) if path is not None else "<no file>"
+    data = load_yaml(path)
+    extra = parse_overrides(overrides or [])
+    names = graph.names()
+    common = data.get(COMMON) or {}
+    if not isinstance(common, dict):
+        raise ConfigError("must be a mapping", file=file, component=COMMON)
+    for comp in [*data, *extra]:
+        if comp != COMMON and comp not in names:
+            raise ConfigError(
+                f"unknown component (this graph has {', '.join(names)})", file=file, component=comp
+            )
+    out: dict[str, ComponentConfig] = {}
+    for cls in graph.nodes:
+        spec = spec_of(cls)
+        section = data.get(spec.name) or {}
+        if not isinstance(section, dict):
+            raise ConfigError("must be a mapping", file=file, component=spec.name)
+        section = dict(section)
+        merged = _merge_common(section.pop(COMMON_KEYS, []), common, file, spec.name)
+        sargs_raw = section.pop(SERVICE_ARGS, {}) or {}
+        merged.update(section)
+        for key, value in extra.get(spec.name, {}).items():
+            if key.startswith(f"{SERVICE_ARGS}."):
+                sargs_raw = {**sargs_raw, key.split(".", 1)[1]: value}
+            else:
+                merged[key] = value
+        sargs = _validate(ServiceArgs, {"workers": spec.workers, "resources": spec.resources, **sargs_raw},
+                          file, spec.name, prefix=f"{SERVICE_ARGS}.")
+        values = _component_values(spec.config_type, merged, file, spec.name)
+        out[spec.name] = ComponentConfig(spec.name, sargs, values)
+    return out
+
+
+def build_config(cls: type, values: dict[str, Any]) -> BaseModel | None:
+    """The typed config object for ``cls`` from resolved values (None if it takes none)."""
+    cfg_type = spec_of(cls).config_type
+    return cfg_type.model_validate(values) if cfg_type is not None else None
+
+
+def _merge_common(keys: Any, common: dict[str, Any], file: str, comp: str) -> dict[str, Any]:
+    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+        raise ConfigError("must be a list of key names", file=file, component=comp, key=COMMON_KEYS)
+    merged: dict[str, Any] = {}
+    for key in keys:
+        if key not in common:
+            raise ConfigError(f"listed in {COMMON_KEYS} but missing from {COMMON}", file=file,
+                              component=comp, key=key)
+        merged[key] = common[key]
+    return merged
+
+
+def _component_values(
+    cfg_type: type[BaseModel] | None, raw: dict[str, Any], file: str, comp: str
+) -> dict[str, Any]:
+    if cfg_type is None:
+        if raw:
+            key = next(iter(raw))
+            raise ConfigError("this component takes no settings", file=file, component=comp, key=key)
+        return {}
+    allowed = _accepted_keys(cfg_type)
+    for key in raw:
+        if key not in allowed:
+            raise ConfigError(
+                f"unknown key (known: {', '.join(sorted(allowed))})", file=file, component=comp, key=key
+            )
+    model = _validate(cfg_type, raw, file, comp)
+    return model.model_dump(mode="json", by_alias=True)
+
+
+def _accepted_keys(cfg_type: type[BaseModel]) -> set[str]:
+    keys: set[str] = set()
+    by_name = cfg_type.model_config.get("populate_by_name", False) or cfg_type.model_config.get(
+        "validate_by_name", False
+    )
+    for name, f in cfg_type.model_fields.items():
+        if f.alias:
+            keys.add(f.alias)
+        if by_name or not f.alias:
+            keys.add(name)
+    return keys
+
+
+def _validate(model: type[BaseModel], raw: dict[str, Any], file: str, comp: str,
+              prefix: str = "") -> Any:
+    try:
+        return model.model_validate(raw)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        key = prefix + ".".join(str(p) for p in err["loc"]) if err["loc"] else None
+        raise ConfigError(err["msg"], file=file, component=comp, key=key) from exc

@@ -1,0 +1,141 @@
+"""Runs one instance of one component inside the current process.
+
+Order on start: dependency clients (watches warm) -> ``__init__(config)`` ->
+``@async_on_start`` hooks -> request-plane server -> endpoint registration -> instance
+record. So "registered" means "ready to serve". Order on stop: server stops accepting
+and drains (grace) -> ``@async_on_shutdown`` hooks -> clients closed -> lease revoked,
+which removes every key of this process at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from dynagraph.errors import InvalidRequest
+from dynagraph.runtime.rpc import RequestContext, RpcClient, RpcServer
+from dynagraph.sdk._client import ComponentClient, EndpointClient
+from dynagraph.sdk._config import build_config
+from dynagraph.sdk._context import (
+    RuntimeContext,
+    instance_key,
+    reset_request_id,
+    set_request_id,
+)
+from dynagraph.sdk._graph import Graph
+from dynagraph.sdk._service import EndpointSpec, spec_of
+
+log = logging.getLogger(__name__)
+
+
+class ComponentRuntime:
+    """Owns the pieces one component instance needs; use ``start()`` / ``stop()``."""
+
+    def __init__(self, graph: Graph, cls: type, values: dict[str, Any], *, discovery: Any,
+                 worker_index: int = 0, nats_url: str | None = None,
+                 metrics_address: str | None = None, drain_grace: float = 3.0) -> None:
+        self.graph = graph
+        self.cls = cls
+        self.spec = spec_of(cls)
+        self.values = values
+        self.discovery = discovery
+        self.worker_index = worker_index
+        self.nats_url = nats_url
+        self.metrics_address = metrics_address
+        self.drain_grace = drain_grace
+        self.rpc_client = RpcClient()
+        self.server: RpcServer | None = None
+        self.instance: Any = None
+        self._watches: list[Any] = []
+
+    async def start(self) -> Any:
+        """Build the component and publish it; returns the component instance."""
+        obj = self.cls.__new__(self.cls)
+        for attr, target in self.graph.edges(self.cls).items():
+            setattr(obj, attr, await self._client_for(target) if target is not None else None)
+        obj.runtime = RuntimeContext(
+            namespace=self.spec.namespace, component=self.spec.name,
+            worker_index=self.worker_index, instance_id=self.discovery.instance_id,
+            discovery=self.discovery, nats_url=self.nats_url,
+            metrics_address=self.metrics_address,
+        )
+        config = build_config(self.cls, self.values)
+        if self.spec.config_param is not None:
+            self.cls.__init__(obj, config)
+        else:
+            self.cls.__init__(obj)
+        self.instance = obj
+        for hook in self.spec.on_start:
+            await getattr(obj, hook)()
+        server = RpcServer()
+        for ep in self.spec.endpoints:
+            server.add_endpoint(ep.name, _handler(obj, ep, self.spec.name))
+        await server.start()
+        self.server = server
+        meta = {"pid": os.getpid(), "worker_index": self.worker_index,
+                "metrics": self.metrics_address, **obj.runtime.metadata}
+        for ep in self.spec.endpoints:
+            await self.discovery.register(self.spec.namespace, self.spec.name, ep.name,
+                                          server.address, meta)
+        await self.discovery.put(
+            instance_key(self.spec.namespace, self.spec.name, self.discovery.instance_id),
+            {"address": server.address, "endpoints": [e.name for e in self.spec.endpoints], **meta},
+            lease=True,
+        )
+        log.info("%s[%d] ready: instance %x at %s", self.spec.name, self.worker_index,
+                 self.discovery.instance_id, server.address)
+        return obj
+
+    async def stop(self) -> None:
+        """Drain, run shutdown hooks, close clients; the caller closes discovery."""
+        if self.server is not None:
+            await self.server.stop(grace=self.drain_grace)
+        if self.instance is not None:
+            for hook in self.spec.on_shutdown:
+                try:
+                    await asyncio.wait_for(getattr(self.instance, hook)(), timeout=10)
+                except Exception:
+                    log.exception("shutdown hook %s.%s failed", self.spec.name, hook)
+        for watch in self._watches:
+            await watch.close()
+        await self.rpc_client.close()
+
+    async def _client_for(self, target: type) -> ComponentClient:
+        tspec = spec_of(target)
+        endpoints: dict[str, EndpointClient] = {}
+        for ep in tspec.endpoints:
+            watch = await self.discovery.watch_instances(tspec.namespace, tspec.name, ep.name)
+            self._watches.append(watch)
+            endpoints[ep.name] = EndpointClient(self.rpc_client, watch, tspec.name, ep.name)
+        return ComponentClient(tspec.name, endpoints)
+
+
+def _handler(obj: Any, ep: EndpointSpec, component: str
+             ) -> Callable[[Any, RequestContext], AsyncIterator[Any]]:
+    method = getattr(obj, ep.method_name)
+    request_type: type[BaseModel] | None = ep.request_type
+
+    async def handle(payload: Any, ctx: RequestContext) -> AsyncIterator[Any]:
+        token = set_request_id(ctx.request_id)
+        try:
+            if request_type is not None:
+                try:
+                    request = request_type.model_validate(payload)
+                except ValidationError as exc:
+                    err = exc.errors()[0]
+                    loc = ".".join(str(p) for p in err["loc"])
+                    raise InvalidRequest(f"{component}.{ep.name}: {loc}: {err['msg']}",
+                                         param=loc or None) from None
+            else:
+                request = payload
+            async for item in method(request):
+                yield item
+        finally:
+            reset_request_id(token)
+
+    return handle

@@ -1,0 +1,208 @@
+"""Decorators a component author uses: ``@service``, ``@endpoint``, ``depends()`` and the
+lifecycle hooks. They only attach plain metadata to the class; nothing is registered
+globally and nothing runs on import.
+"""
+
+from __future__ import annotations
+
+import inspect
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from pydantic import BaseModel
+
+from dynagraph.errors import GraphError
+
+T = TypeVar("T", bound=type)
+F = TypeVar("F", bound=Callable[..., Any])
+
+_SPEC_ATTR = "__dynagraph_service__"
+_ENDPOINT_ATTR = "__dynagraph_endpoint__"
+_HOOK_ATTR = "__dynagraph_hook__"
+
+
+@dataclass(frozen=True)
+class EndpointSpec:
+    """One async-generator method exposed on the request plane."""
+
+    name: str
+    method_name: str
+    request_type: type[BaseModel] | None  # None: the raw decoded payload is passed through
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    """What ``@service`` records about a component class."""
+
+    name: str
+    namespace: str
+    workers: int
+    resources: dict[str, Any]
+    endpoints: tuple[EndpointSpec, ...]
+    dependencies: dict[str, type]  # attribute name -> component class
+    config_param: str | None  # name of the __init__ parameter typed with a pydantic model
+    config_type: type[BaseModel] | None
+    on_start: tuple[str, ...] = field(default=())
+    on_shutdown: tuple[str, ...] = field(default=())
+
+
+class Dependency:
+    """Marker left on the class by ``depends(Other)``.
+
+    At run time the SDK replaces it, on the instance, with a client for ``Other``
+    (see ``dynagraph.sdk.ComponentClient``), or with ``None`` when the graph being
+    served does not link ``Other``.
+    """
+
+    def __init__(self, target: type) -> None:
+        self.target = target
+
+    def __repr__(self) -> str:
+        return f"depends({self.target.__name__})"
+
+
+def depends(target: type) -> Any:
+    """Declare that this component calls ``target`` (another ``@service`` class)."""
+    if not isinstance(target, type):
+        raise GraphError(f"depends() takes a component class, got {target!r}")
+    return Dependency(target)
+
+
+def endpoint(name: str | None = None) -> Callable[[F], F]:
+    """Expose an async-generator method ``(self, request) -> AsyncIterator[...]``.
+
+    If ``request`` is annotated with a pydantic model, incoming payloads are validated
+    into it (a validation failure reaches the caller as ``InvalidRequest``).
+    """
+
+    def wrap(fn: F) -> F:
+        if not inspect.isasyncgenfunction(fn):
+            raise GraphError(f"@endpoint {fn.__qualname__} must be an async generator (async def + yield)")
+        setattr(fn, _ENDPOINT_ATTR, name or fn.__name__)
+        return fn
+
+    return wrap
+
+
+def async_on_start(fn: F) -> F:
+    """Run ``await self.fn()`` after construction, before the endpoints are registered."""
+    setattr(fn, _HOOK_ATTR, "start")
+    return fn
+
+
+def async_on_shutdown(fn: F) -> F:
+    """Run ``await self.fn()`` on shutdown, after the endpoints are unregistered."""
+    setattr(fn, _HOOK_ATTR, "shutdown")
+    return fn
+
+
+def service(
+    *,
+    dynamo: dict[str, Any] | None = None,
+    resources: dict[str, Any] | None = None,
+    workers: int = 1,
+    name: str | None = None,
+) -> Callable[[T], T]:
+    """Mark a class as a component. ``dynamo={"namespace": ...}`` sets its namespace."""
+
+    def wrap(cls: T) -> T:
+        namespace = (dynamo or {}).get("namespace", "dynamo")
+        spec = ServiceSpec(
+            name=name or cls.__name__,
+            namespace=namespace,
+            workers=workers,
+            resources=dict(resources or {}),
+            endpoints=tuple(_endpoints(cls)),
+            dependencies=_dependencies(cls),
+            config_param=None,
+            config_type=None,
+            on_start=tuple(_hooks(cls, "start")),
+            on_shutdown=tuple(_hooks(cls, "shutdown")),
+        )
+        param, cfg_type = _config_param(cls)
+        spec = ServiceSpec(**{**spec.__dict__, "config_param": param, "config_type": cfg_type})
+        setattr(cls, _SPEC_ATTR, spec)
+        if "link" not in cls.__dict__:
+            cls.link = classmethod(_link)  # type: ignore[attr-defined]
+        return cls
+
+    return wrap
+
+
+def _link(cls: type, other: type) -> Any:
+    from dynagraph.sdk._graph import Graph
+
+    return Graph.of(cls).link(other)
+
+
+def spec_of(cls: type) -> ServiceSpec:
+    """The ``ServiceSpec`` of a component class, or a GraphError if it has none."""
+    spec = cls.__dict__.get(_SPEC_ATTR) if isinstance(cls, type) else None
+    if spec is None:
+        raise GraphError(f"{getattr(cls, '__name__', cls)!r} is not a component (missing @service)")
+    return typing.cast(ServiceSpec, spec)
+
+
+def is_service(obj: Any) -> bool:
+    return isinstance(obj, type) and _SPEC_ATTR in obj.__dict__
+
+
+def _endpoints(cls: type) -> list[EndpointSpec]:
+    out: list[EndpointSpec] = []
+    seen: set[str] = set()
+    for attr, fn in inspect.getmembers(cls, predicate=inspect.isfunction):
+        ep_name = getattr(fn, _ENDPOINT_ATTR, None)
+        if ep_name is None:
+            continue
+        if ep_name in seen:
+            raise GraphError(f"{cls.__name__}: two endpoints named {ep_name!r}")
+        seen.add(ep_name)
+        out.append(EndpointSpec(ep_name, attr, _request_type(cls, fn)))
+    return out
+
+
+def _request_type(cls: type, fn: Callable[..., Any]) -> type[BaseModel] | None:
+    params = list(inspect.signature(fn).parameters.values())[1:]
+    if len(params) != 1:
+        raise GraphError(f"@endpoint {cls.__name__}.{fn.__name__} must take exactly one request argument")
+    hints = _hints(fn)
+    ann = hints.get(params[0].name)
+    return ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+
+
+def _dependencies(cls: type) -> dict[str, type]:
+    deps: dict[str, type] = {}
+    for klass in reversed(cls.__mro__):
+        for attr, value in vars(klass).items():
+            if isinstance(value, Dependency):
+                deps[attr] = value.target
+    return deps
+
+
+def _hooks(cls: type, kind: str) -> list[str]:
+    return [
+        attr
+        for attr, fn in inspect.getmembers(cls, predicate=inspect.isfunction)
+        if getattr(fn, _HOOK_ATTR, None) == kind
+    ]
+
+
+def _config_param(cls: type) -> tuple[str | None, type[BaseModel] | None]:
+    init = cls.__dict__.get("__init__")
+    if init is None:
+        return None, None
+    hints = _hints(init)
+    for p in list(inspect.signature(init).parameters.values())[1:]:
+        ann = hints.get(p.name)
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            return p.name, ann
+    return None, None
+
+
+def _hints(fn: Callable[..., Any]) -> dict[str, Any]:
+    try:
+        return typing.get_type_hints(fn)
+    except Exception as exc:  # a forward reference we cannot resolve
+        raise GraphError(f"cannot resolve type hints of {fn.__qualname__}: {exc}") from exc

@@ -1,0 +1,112 @@
+from __future__ import annotations
+
+import random
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from dynagraph.errors import InstanceUnavailable, NoInstancesError
+from dynagraph.sdk import ComponentClient, EndpointClient
+from dynagraph.sdk._context import reset_request_id, set_request_id
+
+
+@dataclass
+class Inst:
+    instance_id: int
+    address: str
+
+
+class Source:
+    def __init__(self, *ids: int) -> None:
+        self.live = [Inst(i, f"addr{i}") for i in ids]
+
+    def instances(self) -> list[Inst]:
+        return self.live
+
+
+class FakeCaller:
+    """Answers with [address, payload]; addresses in ``dead`` refuse before sending."""
+
+    def __init__(self, dead: set[str] | None = None) -> None:
+        self.dead = dead or set()
+        self.calls: list[tuple[str, str, Any, dict[str, str] | None]] = []
+        self.closed = 0
+
+    async def call(self, address: str, endpoint: str, payload: Any, *,
+                   headers: dict[str, str] | None = None) -> AsyncIterator[Any]:
+        self.calls.append((address, endpoint, payload, headers))
+        try:
+            if address in self.dead:
+                raise InstanceUnavailable(f"{address} refused")
+            yield address
+            yield payload
+        finally:
+            self.closed += 1
+
+
+async def collect(it: AsyncIterator[Any]) -> list[Any]:
+    return [x async for x in it]
+
+
+async def test_round_robin_alternates_over_live_instances() -> None:
+    c = EndpointClient(FakeCaller(), Source(1, 2, 3), "W", "generate")
+    seen = [(await collect(c.round_robin("x")))[0] for _ in range(6)]
+    assert seen == ["addr2", "addr3", "addr1", "addr2", "addr3", "addr1"]
+
+
+async def test_retry_on_unreachable_instance_then_no_instances() -> None:
+    caller = FakeCaller(dead={"addr1"})
+    c = EndpointClient(caller, Source(1, 2), "W", "generate", rng=random.Random(0))
+    for _ in range(5):
+        assert await collect(c.random("p")) == ["addr2", "p"]
+    caller.dead.add("addr2")
+    with pytest.raises(NoInstancesError, match="no reachable instance of W/generate"):
+        await collect(c.round_robin("p"))
+    with pytest.raises(NoInstancesError, match="no instance of W/generate"):
+        await collect(EndpointClient(caller, Source(), "W", "generate").round_robin("p"))
+
+
+async def test_direct_does_not_retry_and_names_the_instance() -> None:
+    caller = FakeCaller(dead={"addr1"})
+    c = EndpointClient(caller, Source(1, 2), "W", "generate")
+    assert await collect(c.direct("p", 2)) == ["addr2", "p"]
+    with pytest.raises(InstanceUnavailable):
+        await collect(c.direct("p", 1))
+    with pytest.raises(NoInstancesError, match="no live instance 9"):
+        await collect(c.direct("p", 9))
+
+
+async def test_early_close_closes_the_remote_stream() -> None:
+    caller = FakeCaller()
+    c = EndpointClient(caller, Source(1), "W", "generate")
+    it = c.round_robin("p")
+    assert await it.__anext__() == "addr1"
+    await it.aclose()  # type: ignore[attr-defined]
+    assert caller.closed == 1
+
+
+async def test_request_id_is_forwarded_in_headers() -> None:
+    caller = FakeCaller()
+    c = EndpointClient(caller, Source(1), "W", "generate")
+    token = set_request_id("req-42")
+    try:
+        await collect(c.round_robin("p"))
+    finally:
+        reset_request_id(token)
+    await collect(c.round_robin("p"))
+    assert [call[3] for call in caller.calls] == [{"x-request-id": "req-42"}, None]
+
+
+async def test_component_client_named_endpoints() -> None:
+    caller = FakeCaller()
+    eps = {n: EndpointClient(caller, Source(7), "W", n) for n in ("generate", "stats")}
+    cc = ComponentClient("W", eps)
+    assert await collect(cc.generate(1)) == ["addr7", 1]
+    assert await collect(cc.stats(2)) == ["addr7", 2]
+    assert await collect(cc.direct(3, 7, endpoint="stats")) == ["addr7", 3]
+    assert cc.instance_ids() == [7]
+    assert [c[1] for c in caller.calls] == ["generate", "stats", "stats"]
+    with pytest.raises(AttributeError, match="no endpoint 'nope'"):
+        cc.nope(1)
