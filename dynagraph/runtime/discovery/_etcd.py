@@ -1,0 +1,272 @@
+"""`EtcdDiscovery`: discovery on a real etcd through ``aetcd``.
+
+Lease life cycle: ``start()`` grants one lease whose id becomes the process's
+``instance_id``; a background task refreshes it every ``ttl/3`` seconds. If refreshing
+fails (etcd restarting) it retries with backoff; if etcd answers that the lease no
+longer exists (it expired while we were cut off), a NEW lease is granted and every
+lease-bound key (registrations, ``put(..., lease=True)``) is written again under it.
+The instance id never changes. ``close()`` revokes the lease so keys vanish at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import aetcd
+
+from dynagraph.errors import DiscoveryError
+from dynagraph.runtime.discovery._base import Closer, DiscoveryBase, Sink
+from dynagraph.runtime.discovery._endpoints import parse_endpoints
+from dynagraph.runtime.discovery._etcd_mirror import (
+    BACKOFF_MAX,
+    BACKOFF_START,
+    ETCD_ERRORS,
+    RETRYABLE,
+    PrefixMirror,
+)
+from dynagraph.runtime.discovery._types import decode, encode, is_undecodable
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# Reconnect quickly after an etcd restart (gRPC's default backoff grows to minutes).
+GRPC_OPTIONS: dict[str, Any] = {
+    "grpc.initial_reconnect_backoff_ms": 100,
+    "grpc.min_reconnect_backoff_ms": 100,
+    "grpc.max_reconnect_backoff_ms": 1000,
+    "grpc.keepalive_time_ms": 10_000,
+    "grpc.keepalive_timeout_ms": 5_000,
+}
+
+
+class EtcdDiscovery(DiscoveryBase):
+    """`Discovery` on etcd. ``endpoints``: comma-separated ``[http://]host:port`` list;
+    the first one that answers is used. ``op_timeout`` bounds each call, retries included."""
+
+    def __init__(
+        self,
+        endpoints: str = "http://127.0.0.1:2379",
+        *,
+        lease_ttl: int = 3,
+        op_timeout: float = 5.0,
+    ) -> None:
+        super().__init__()
+        self.endpoints = parse_endpoints(endpoints)
+        if lease_ttl < 2:
+            raise ValueError(f"lease_ttl must be >= 2 s (etcd's minimum), got {lease_ttl}")
+        self.lease_ttl = lease_ttl
+        self.op_timeout = op_timeout
+        self._client: aetcd.Client | None = None
+        self._lease_id: int | None = None
+        self._leased: dict[str, bytes] = {}
+        self._reput_pending = False
+        self._lease_lock = asyncio.Lock()
+        self._keepalive_task: asyncio.Task[None] | None = None
+        self._mirrors: set[PrefixMirror] = set()
+        self.lease_grants = 0
+
+    @property
+    def lease_id(self) -> int | None:
+        """The lease currently held (differs from ``instance_id`` after a re-grant)."""
+        return self._lease_id
+
+    # -- life cycle ---------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._client is not None:
+            return
+        self._client = await self._connect()
+        try:
+            lease = await self._call(lambda c: c.lease(self.lease_ttl), "grant a lease")
+        except DiscoveryError:
+            await self._client.close()
+            self._client = None
+            raise
+        self.lease_grants += 1
+        self._lease_id = lease.id
+        if self._instance_id is None:
+            self._instance_id = lease.id
+        self._keepalive_task = asyncio.create_task(self._keepalive(), name="etcd-keepalive")
+        log.info("etcd discovery started: instance %x, lease ttl %ds", lease.id, self.lease_ttl)
+
+    async def _connect(self) -> aetcd.Client:
+        errors = []
+        for host, port in self.endpoints:
+            client = aetcd.Client(host, port, timeout=self.op_timeout, options=GRPC_OPTIONS)
+            try:
+                await asyncio.wait_for(client.status(), self.op_timeout)
+                return client
+            except ETCD_ERRORS as e:
+                errors.append(f"{host}:{port}: {e!r}")
+                await client.close()
+        raise DiscoveryError(
+            f"cannot reach etcd ({'; '.join(errors)}); start etcd or set ETCD_ENDPOINTS"
+        )
+
+    async def close(self) -> None:
+        task, self._keepalive_task = self._keepalive_task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await self._close_watches()
+        for mirror in list(self._mirrors):
+            await mirror.close()
+        self._mirrors.clear()
+        client, self._client = self._client, None
+        if client is None:
+            return
+        if self._lease_id is not None:
+            try:
+                await asyncio.wait_for(client.revoke_lease(self._lease_id), self.op_timeout)
+            except ETCD_ERRORS as e:
+                log.warning("could not revoke lease %x (%r); its keys expire in %ds",
+                            self._lease_id, e, self.lease_ttl)
+            self._lease_id = None
+        await client.close()
+
+    # -- calls with retry -----------------------------------------------------------
+
+    def _need_client(self) -> aetcd.Client:
+        if self._client is None:
+            raise DiscoveryError("EtcdDiscovery is not started (or was closed); call start() first")
+        return self._client
+
+    async def _call(self, fn: Callable[[aetcd.Client], Awaitable[T]], what: str) -> T:
+        """Run ``fn(client)``, retrying connection errors with backoff up to ``op_timeout``."""
+        client = self._need_client()
+        deadline = time.monotonic() + self.op_timeout
+        backoff = BACKOFF_START
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                return await asyncio.wait_for(fn(client), max(remaining, 0.05))
+            except ETCD_ERRORS as e:
+                if _lease_not_found(e) or time.monotonic() + backoff >= deadline:
+                    raise DiscoveryError(f"etcd: could not {what}: {e!r}") from e
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, BACKOFF_MAX)
+
+    # -- keepalive -----------------------------------------------------------------
+
+    async def _keepalive(self) -> None:
+        interval = self.lease_ttl / 3
+        delay = interval
+        backoff = BACKOFF_START
+        failing_since: float | None = None
+        while True:
+            await asyncio.sleep(delay)
+            try:
+                ttl = await self._refresh()
+                if ttl <= 0:
+                    log.warning("lease %x no longer exists in etcd; granting a new one",
+                                self._lease_id or 0)
+                    await self._regrant()
+                if self._reput_pending:
+                    await self._reput()
+            except RETRYABLE as e:
+                if failing_since is None:
+                    failing_since = time.monotonic()
+                    log.warning("lease keepalive failed (%r); retrying with backoff", e)
+                delay = backoff
+                backoff = min(backoff * 2, BACKOFF_MAX)
+                continue
+            if failing_since is not None:
+                log.warning("lease keepalive recovered after %.2fs", time.monotonic() - failing_since)
+                failing_since = None
+            delay, backoff = interval, BACKOFF_START
+
+    async def _refresh(self) -> int:
+        client = self._need_client()
+        assert self._lease_id is not None
+        reply = await asyncio.wait_for(client.refresh_lease(self._lease_id), self.op_timeout)
+        if reply is None:
+            raise DiscoveryError("lease keepalive stream closed without a reply")
+        return int(reply.TTL)
+
+    async def _regrant(self) -> None:
+        """Grant a fresh lease (keeping instance_id) and schedule re-putting leased keys."""
+        async with self._lease_lock:
+            client = self._need_client()
+            lease = await asyncio.wait_for(client.lease(self.lease_ttl), self.op_timeout)
+            self.lease_grants += 1
+            old, self._lease_id = self._lease_id, lease.id
+            self._reput_pending = True
+            log.warning("granted lease %x replacing %x (instance id stays %x)",
+                        lease.id, old or 0, self.instance_id)
+        await self._reput()
+
+    async def _reput(self) -> None:
+        async with self._lease_lock:
+            client = self._need_client()
+            for key, raw in list(self._leased.items()):
+                await asyncio.wait_for(client.put(key.encode(), raw, lease=self._lease_id),
+                                       self.op_timeout)
+            self._reput_pending = False
+            if self._leased:
+                log.warning("re-registered %d lease-bound keys under lease %x",
+                            len(self._leased), self._lease_id or 0)
+
+    # -- key-value -----------------------------------------------------------------
+
+    async def put(self, key: str, value: Any, *, lease: bool = False) -> None:
+        raw = encode(value)
+        if not lease:
+            self._leased.pop(key, None)
+            await self._call(lambda c: c.put(key.encode(), raw), f"put {key}")
+            return
+        try:
+            await self._put_leased(key, raw)
+        except DiscoveryError as e:
+            if not _lease_not_found(e.__cause__):
+                raise
+            await self._regrant()
+            await self._put_leased(key, raw)
+
+    async def _put_leased(self, key: str, raw: bytes) -> None:
+        async with self._lease_lock:
+            lease_id = self._lease_id
+            await self._call(lambda c: c.put(key.encode(), raw, lease=lease_id), f"put {key}")
+            self._leased[key] = raw
+
+    async def get(self, key: str) -> Any | None:
+        got = await self._call(lambda c: c.get(key.encode()), f"get {key}")
+        if got is None:
+            return None
+        value = decode(key, bytes(got.value))
+        return None if is_undecodable(value) else value
+
+    async def get_prefix(self, prefix: str) -> dict[str, Any]:
+        resp = await self._call(lambda c: c.get_prefix(prefix.encode()), f"read prefix {prefix}")
+        out: dict[str, Any] = {}
+        for kv in resp.kvs:
+            key = kv.key.decode()
+            value = decode(key, bytes(kv.value))
+            if not is_undecodable(value):
+                out[key] = value
+        return out
+
+    async def delete(self, key: str) -> None:
+        self._leased.pop(key, None)
+        await self._call(lambda c: c.delete(key.encode()), f"delete {key}")
+
+    async def _subscribe(self, prefix: str, sink: Sink) -> Closer:
+        mirror = PrefixMirror(self._need_client(), prefix, sink, timeout=self.op_timeout)
+        await mirror.start()
+        self._mirrors.add(mirror)
+
+        async def close() -> None:
+            self._mirrors.discard(mirror)
+            await mirror.close()
+
+        return close
+
+
+def _lease_not_found(e: BaseException | None) -> bool:
+    return e is not None and "lease not found" in str(e)
