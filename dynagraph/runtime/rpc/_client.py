@@ -71,13 +71,14 @@ class RpcClient:
             conn.abort(None)
         self._connections.clear()
 
-    async def _acquire(self, address: str) -> _ClientConnection:
+    async def _acquire(self, address: str, *, fresh: bool = False) -> _ClientConnection:
         if self._closed:
             raise InstanceUnavailable(f"RpcClient is closed; cannot call {address}")
         idle = self._idle.get(address)
-        while idle:
+        while idle and not fresh:
             conn = idle.pop()
             if conn.reusable:
+                conn.reused = True
                 return conn
         host, sep, port = address.rpartition(":")
         if not sep or not port.isdigit():
@@ -136,12 +137,16 @@ class RpcStream:
             while True:
                 frame = conn.next_frame()
                 if frame is None:
+                    if conn.closed and self._request is not None and conn.stale:
+                        conn = await self._open(fresh=True)  # request not delivered: resend
+                        continue
                     if conn.closed:
                         raise StreamBroken(
                             f"connection to {self._address} lost during {self._endpoint!r}"
                             + (f": {conn.lost_reason}" if conn.lost_reason else ""))
                     await conn.wait()
                     continue
+                self._request = None  # delivered; never resend from here on
                 if frame[0] == ITEM and len(frame) == 2:
                     return frame[1]
                 break
@@ -150,16 +155,24 @@ class RpcStream:
             raise
         self._finish(frame)
 
-    async def _open(self) -> _ClientConnection:
+    async def _open(self, *, fresh: bool = False) -> _ClientConnection:
+        """Send the request on a pooled (or, if ``fresh``, a new) connection.
+
+        The request bytes are kept until the first response frame: a pooled connection
+        that the server had already closed answers the request with a reset and no
+        data, which proves it was not delivered, so it is resent once on a new one.
+        """
         request = self._request
         assert request is not None
-        self._request = None
+        self._conn = None
         self._done = True  # until the request is on a connection, nothing to cancel
-        conn = await self._client._acquire(self._address)
+        conn = await self._client._acquire(self._address, fresh=fresh)
         self._loop = asyncio.get_running_loop()
         conn.send_request(request)
         self._conn = conn
         self._done = False
+        if fresh:
+            self._request = None
         return conn
 
     def _finish(self, frame: list[Any]) -> None:
@@ -217,11 +230,19 @@ class _ClientConnection(asyncio.Protocol):
         self._in_stream = False
         self.closed = False
         self.lost_reason = ""
+        self.reused = False
+        self._received = False
+        self._reset = False
 
     @property
     def reusable(self) -> bool:
         return (not self.closed and not self._in_stream and self._decoder.buffered == 0
                 and self._transport is not None and not self._transport.is_closing())
+
+    @property
+    def stale(self) -> bool:
+        """A reused connection reset by the server before any response byte arrived."""
+        return self.reused and self._reset and not self._received
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -236,6 +257,7 @@ class _ClientConnection(asyncio.Protocol):
             log.warning("unexpected data on an idle request-plane connection; closing it")
             self.abort(None)
             return
+        self._received = True
         self._decoder.feed(data)
         if self._decoder.buffered > READ_HIGH_WATER and not self._reading_paused:
             assert self._transport is not None
@@ -247,12 +269,14 @@ class _ClientConnection(asyncio.Protocol):
         self.closed = True
         if exc is not None:
             self.lost_reason = str(exc) or type(exc).__name__
+            self._reset = isinstance(exc, ConnectionResetError | BrokenPipeError)
         self._wake()
         self._client._forget(self)
 
     def send_request(self, request: bytes) -> None:
         assert self._transport is not None and not self._in_stream
         self._in_stream = True
+        self._received = False
         self._transport.write(request)
 
     def end_stream(self) -> None:

@@ -54,8 +54,8 @@ async def collect(stream: AsyncIterator[Any]) -> list[Any]:
     return [item async for item in stream]
 
 
-async def wait_until(predicate: Any, timeout: float = 2.0) -> None:
-    """Poll ``predicate()`` until it is true (fails the test after ``timeout`` s)."""
-    async with asyncio.timeout(timeout):
-        while not predicate():
+async def wait_until(predicate: Any, within: float = 2.0) -> None:
+    """Poll ``predicate()`` until it is true (fails the test after ``within`` s)."""
+    async with asyncio.timeout(within):
+        while not predicate():  # noqa: ASYNC110 - polling state owned by another task
             await asyncio.sleep(0.005)
