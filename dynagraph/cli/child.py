@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import ctypes
 import json
 import logging
 import os
@@ -24,6 +26,16 @@ from dynagraph.sdk._graph import resolve_target
 from dynagraph.sdk._runtime import ComponentRuntime
 
 log = logging.getLogger("dynagraph.child")
+
+
+def die_with_parent(parent_pid: int | None) -> None:
+    """Ask the kernel for SIGTERM when the supervisor dies; exit if it already has."""
+    if parent_pid is None:
+        return
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent_pid:
+        raise SystemExit(f"supervisor {parent_pid} is gone")
 
 
 def start_metrics_server() -> str:
@@ -65,7 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spec", required=True)
     parser.add_argument("--component", required=True)
     parser.add_argument("--index", type=int, default=0)
+    parser.add_argument("--parent-pid", type=int, default=None)
     args = parser.parse_args(argv)
+    die_with_parent(args.parent_pid)
     setup_logging()
     with open(args.spec) as f:
         spec = json.load(f)

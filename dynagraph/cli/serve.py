@@ -8,7 +8,9 @@ is stopped:
   ``--ready-timeout`` it names the missing ones, stops everything and exits 1.
 - **Stop**: on SIGINT/SIGTERM every child gets SIGTERM, then SIGKILL after
   ``--stop-timeout`` (default 8 s); the local etcd/NATS it started go last. Children
-  also get SIGTERM from the kernel if the supervisor itself dies (PDEATHSIG).
+  also get SIGTERM from the kernel if the supervisor itself dies (they set PDEATHSIG
+  themselves: no ``preexec_fn``, because forking a process that runs gRPC threads
+  (the etcd client) crashes the child).
 - **A child that exits by itself** is never restarted silently. With
   ``--restart on-failure`` (the default) it is restarted after a logged backoff of 1, 2,
   4 ... 30 s; more than ``--max-restarts`` restarts within 60 s stops the graph. With
@@ -20,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import json
 import logging
 import os
@@ -38,13 +39,7 @@ from dynagraph.sdk._service import spec_of
 
 log = logging.getLogger("dynagraph.serve")
 
-PR_SET_PDEATHSIG = 1
 RESTART_WINDOW = 60.0
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 @dataclass
@@ -92,7 +87,7 @@ class Supervisor:
             env = self._infra_env()
             from dynagraph.runtime.discovery import discovery_from_env
 
-            discovery = discovery_from_env(env["ETCD_ENDPOINTS"])
+            discovery = discovery_from_env(env)
             await discovery.start()
             spec_path = self._write_spec(env)
             for cls in self.graph.nodes:
@@ -162,8 +157,9 @@ class Supervisor:
         child.proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "dynagraph.cli.child", "--spec", spec_path,
             "--component", child.component, "--index", str(child.index),
+            "--parent-pid", str(os.getpid()),
             env=child.env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT, preexec_fn=_die_with_parent,
+            stderr=asyncio.subprocess.STDOUT,
         )
         child.pump = asyncio.create_task(_pump(child))
         log.info("started %s pid=%d", child.label, child.proc.pid)

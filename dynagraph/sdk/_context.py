@@ -65,6 +65,6 @@ class RuntimeContext:
         return f"/{self.namespace}/settings/{component or self.component}/"
 
 
-def instance_key(namespace: str, component: str, instance_id: int) -> str:
+def process_key(namespace: str, component: str, instance_id: int) -> str:
     """Key of the per-process record used for readiness and metrics discovery."""
     return f"/{namespace}/instances/{component}/{instance_id:x}"

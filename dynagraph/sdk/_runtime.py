@@ -23,7 +23,7 @@ from dynagraph.sdk._client import ComponentClient, EndpointClient
 from dynagraph.sdk._config import build_config
 from dynagraph.sdk._context import (
     RuntimeContext,
-    instance_key,
+    process_key,
     reset_request_id,
     set_request_id,
 )
@@ -83,7 +83,7 @@ class ComponentRuntime:
             await self.discovery.register(self.spec.namespace, self.spec.name, ep.name,
                                           server.address, meta)
         await self.discovery.put(
-            instance_key(self.spec.namespace, self.spec.name, self.discovery.instance_id),
+            process_key(self.spec.namespace, self.spec.name, self.discovery.instance_id),
             {"address": server.address, "endpoints": [e.name for e in self.spec.endpoints], **meta},
             lease=True,
         )
