@@ -17,7 +17,7 @@ import contextlib
 import logging
 import socket
 from types import TracebackType
-from typing import Any
+from typing import Any, cast
 
 from dynagraph.errors import InstanceUnavailable, StreamBroken
 
@@ -245,8 +245,7 @@ class _ClientConnection(asyncio.Protocol):
         return self.reused and self._reset and not self._received
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self._transport = transport
+        self._transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
         sock = transport.get_extra_info("socket")
         if sock is not None:
             with contextlib.suppress(OSError):
