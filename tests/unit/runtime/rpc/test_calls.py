@@ -14,7 +14,7 @@ import pytest
 from dynagraph.errors import InstanceUnavailable, InvalidRequest, RemoteError
 from dynagraph.runtime.rpc import ProtocolError, RequestContext, RpcClient, RpcServer
 
-from .conftest import collect
+from ._support import collect
 
 
 async def test_streams_all_items_then_ends(server: RpcServer, client: RpcClient) -> None:

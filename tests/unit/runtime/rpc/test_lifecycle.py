@@ -14,7 +14,7 @@ from dynagraph.errors import InstanceUnavailable, StreamBroken
 from dynagraph.runtime.rpc import RequestContext, RpcClient, RpcServer
 from dynagraph.runtime.rpc._framing import FrameEncoder
 
-from .conftest import collect, wait_until
+from ._support import collect, wait_until
 
 
 class Slow:
@@ -168,6 +168,16 @@ async def test_pooled_connection_to_a_restarted_server_is_not_used(client: RpcCl
     await srv.start()
     assert await collect(client.call(srv.address, "count", 2)) == [0, 1]
     await srv.stop()
+    # The pooled connection is dead; whether or not the client has noticed yet, the
+    # request must reach the new server (a reset before any reply proves non-delivery).
+    port = int(srv.address.rsplit(":", 1)[1])
+    again = RpcServer(port=port)
+    again.add_endpoint("count", _count)
+    await again.start()
+    try:
+        assert await collect(client.call(srv.address, "count", 3)) == [0, 1, 2]
+    finally:
+        await again.stop()
     with pytest.raises(InstanceUnavailable):
         await collect(client.call(srv.address, "count", 2))
 
