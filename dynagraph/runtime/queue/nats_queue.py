@@ -152,7 +152,11 @@ class NatsPrefillQueue:
                     servers=[self.url],
                     name=f"dynagraph-prefill-queue-{self.namespace}",
                     connect_timeout=2,
-                    allow_reconnect=False,  # fail fast on the first connect; see below
+                    # Fail fast on the first connect (nats-py would otherwise retry for
+                    # max_reconnect_attempts x reconnect_time_wait); see below.
+                    allow_reconnect=False,
+                    max_reconnect_attempts=1,
+                    reconnect_time_wait=self.reconnect_wait,
                     error_cb=self._on_error,
                     disconnected_cb=self._on_disconnected,
                     reconnected_cb=self._on_reconnected,

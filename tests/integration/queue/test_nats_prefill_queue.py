@@ -1,0 +1,185 @@
+"""NatsPrefillQueue against a real nats-server with JetStream."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from dynagraph.runtime.infra import LocalService, free_port
+from dynagraph.runtime.queue import (
+    NatsPrefillQueue,
+    PrefillQueue,
+    PrefillQueueError,
+    QueueStats,
+    RemotePrefillJob,
+    ReplyTarget,
+)
+from tests.integration.queue.conftest import QueueFactory
+
+pytestmark = pytest.mark.integration
+
+REPLY = ReplyTarget(component="VllmWorker", endpoint="prefill_done", instance_id=1)
+
+
+def job(rid: str, timeout: float = 60.0, now: float | None = None) -> RemotePrefillJob:
+    return RemotePrefillJob.create(
+        request_id=rid, prompt_token_ids=list(range(100)), reply_to=REPLY, timeout=timeout, now=now,
+        engine_params={"kv_transfer_params": {"do_remote_decode": True}},
+    )
+
+
+async def wait_stats(q: NatsPrefillQueue, want: QueueStats, within: float = 5.0) -> None:
+    end = time.monotonic() + within
+    while (got := await q.stats()) != want:
+        assert time.monotonic() < end, f"stats {got} != {want} after {within}s"
+        await asyncio.sleep(0.05)
+
+
+async def test_enqueue_pull_ack_removes(make_queue: QueueFactory) -> None:
+    q = make_queue(ack_wait=5)
+    await q.connect()
+    assert isinstance(q, PrefillQueue)
+    for i in range(3):
+        await q.enqueue(job(f"r{i}"))
+    assert await q.depth() == 3
+    item = await q.pull(2)
+    assert item is not None
+    assert item.job == job("r0", now=item.job.enqueued_at)
+    assert item.delivery_count == 1
+    assert await q.stats() == QueueStats(waiting=2, in_flight=1)
+    await item.ack()
+    assert await q.stats() == QueueStats(waiting=2, in_flight=0)
+    for i in (1, 2):
+        it = await q.pull(2)
+        assert it is not None and it.job.request_id == f"r{i}"
+        await it.ack()
+    assert await q.pull(0.2) is None
+    assert await q.stats() == QueueStats(waiting=0, in_flight=0)
+
+
+async def test_concurrent_connect_and_shared_consumer(make_queue: QueueFactory) -> None:
+    producer, w1, w2 = make_queue(), make_queue(), make_queue()
+    await asyncio.gather(producer.connect(), w1.connect(), w2.connect())
+    n = 30
+    for i in range(n):
+        await producer.enqueue(job(f"j{i}"))
+
+    async def work(q: NatsPrefillQueue) -> list[str]:
+        got: list[str] = []
+        while (item := await q.pull(0.5)) is not None:
+            got.append(item.job.request_id)
+            await item.ack()
+        return got
+
+    a, b = await asyncio.gather(work(w1), work(w2))
+    assert sorted(a + b) == sorted(f"j{i}" for i in range(n))
+    assert len(set(a) & set(b)) == 0
+    assert await producer.stats() == QueueStats(waiting=0, in_flight=0)
+
+
+async def test_duplicate_enqueue_stored_once(make_queue: QueueFactory) -> None:
+    q = make_queue()
+    await q.connect()
+    await q.enqueue(job("same"))
+    await q.enqueue(job("same"))
+    assert await q.depth() == 1
+
+
+async def test_dead_consumer_job_is_redelivered(make_queue: QueueFactory) -> None:
+    producer, dying, survivor = make_queue(ack_wait=1), make_queue(ack_wait=1), make_queue(ack_wait=1)
+    await asyncio.gather(producer.connect(), dying.connect(), survivor.connect())
+    await producer.enqueue(job("orphan"))
+    taken = await dying.pull(2)
+    assert taken is not None and taken.delivery_count == 1
+    t0 = time.monotonic()
+    await dying.close()  # the worker's connection dies without an ack
+    again = await survivor.pull(4)
+    assert again is not None and again.job.request_id == "orphan"
+    assert again.delivery_count == 2
+    assert time.monotonic() - t0 >= 0.5
+    await again.ack()
+    await wait_stats(producer, QueueStats(waiting=0, in_flight=0))
+
+
+async def test_in_progress_keeps_the_job(make_queue: QueueFactory) -> None:
+    q, other = make_queue(ack_wait=1), make_queue(ack_wait=1)
+    await asyncio.gather(q.connect(), other.connect())
+    await q.enqueue(job("long"))
+    item = await q.pull(2)
+    assert item is not None
+
+    async def heartbeat() -> None:
+        for _ in range(4):
+            await asyncio.sleep(0.4)
+            await item.in_progress()
+
+    hb = asyncio.create_task(heartbeat())
+    assert await other.pull(1.5) is None  # longer than ack_wait, but kept alive
+    await hb
+    await item.ack()
+
+
+async def test_max_deliver_respected(make_queue: QueueFactory) -> None:
+    q = make_queue(ack_wait=5, max_deliver=2)
+    await q.connect()
+    await q.enqueue(job("flaky"))
+    first = await q.pull(2)
+    assert first is not None
+    await first.nak()
+    second = await q.pull(2)
+    assert second is not None and second.delivery_count == 2
+    await second.nak()
+    assert await q.pull(0.5) is None
+
+
+async def test_old_jobs_expire_with_max_age(make_queue: QueueFactory) -> None:
+    q = make_queue(max_age=1.0)
+    await q.connect()
+    await q.enqueue(job("stale"))
+    assert await q.depth() == 1
+    await wait_stats(q, QueueStats(waiting=0, in_flight=0), within=5)
+    assert await q.pull(0.2) is None
+
+
+async def test_job_past_deadline_is_dropped(make_queue: QueueFactory) -> None:
+    q = make_queue()
+    await q.connect()
+    await q.enqueue(job("late", timeout=1, now=time.time() - 5))
+    await q.enqueue(job("fine"))
+    item = await q.pull(2)
+    assert item is not None and item.job.request_id == "fine"
+    assert q.dropped_past_deadline == 1
+
+
+async def test_survives_server_restart(own_nats: LocalService, make_queue: QueueFactory) -> None:
+    producer = make_queue(own_nats.url, ack_wait=1, request_timeout=2)
+    worker = make_queue(own_nats.url, ack_wait=1, request_timeout=2)
+    await asyncio.gather(producer.connect(), worker.connect())
+    for i in range(3):
+        await producer.enqueue(job(f"k{i}"))
+    held = await worker.pull(2)
+    assert held is not None and held.job.request_id == "k0"
+
+    await asyncio.to_thread(own_nats.restart)
+
+    await producer.enqueue(job("after"))  # same connections, reconnected
+    got: dict[str, int] = {}
+    end = time.monotonic() + 8
+    while len(got) < 4 and time.monotonic() < end:
+        item = await worker.pull(1)
+        if item is not None:
+            got[item.job.request_id] = item.delivery_count
+            await item.ack()
+    assert sorted(got) == ["after", "k0", "k1", "k2"]
+    assert got["k0"] == 2
+    await wait_stats(producer, QueueStats(waiting=0, in_flight=0))
+
+
+async def test_connect_to_nothing_fails_fast() -> None:
+    q = NatsPrefillQueue(f"nats://127.0.0.1:{free_port()}", "nobody", connect_timeout=0.5)
+    t0 = time.monotonic()
+    with pytest.raises(PrefillQueueError, match="cannot connect"):
+        await q.connect()
+    assert time.monotonic() - t0 < 5
