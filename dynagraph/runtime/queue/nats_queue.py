@@ -156,7 +156,7 @@ class NatsPrefillQueue:
                     # max_reconnect_attempts x reconnect_time_wait); see below.
                     allow_reconnect=False,
                     max_reconnect_attempts=1,
-                    reconnect_time_wait=self.reconnect_wait,
+                    reconnect_time_wait=0,  # the loop below paces retries
                     error_cb=self._on_error,
                     disconnected_cb=self._on_disconnected,
                     reconnected_cb=self._on_reconnected,
