@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
 from dynagraph.errors import DiscoveryError
@@ -74,7 +74,7 @@ class DiscoveryBase:
         watch.set_closer(close)
         return watch
 
-    async def watch_prefix(self, prefix: str) -> AsyncIterator[tuple[str, Any | None]]:
+    async def watch_prefix(self, prefix: str) -> AsyncGenerator[tuple[str, Any | None], None]:
         # None in the queue means "this Discovery was closed": the iterator ends.
         queue: asyncio.Queue[tuple[str, Any | None] | None] = asyncio.Queue()
         closer = await self._subscribe(prefix, lambda k, v: queue.put_nowait((k, v)))

@@ -34,6 +34,7 @@ from dynagraph.runtime.discovery._types import decode, encode, is_undecodable
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+TXN_MAX_OPS = 100
 
 # Reconnect quickly after an etcd restart (gRPC's default backoff grows to minutes).
 GRPC_OPTIONS: dict[str, Any] = {
@@ -167,13 +168,14 @@ class EtcdDiscovery(DiscoveryBase):
                 if ttl <= 0:
                     log.warning("lease %x no longer exists in etcd; granting a new one",
                                 self._lease_id or 0)
-                    await self._regrant()
+                    await self._regrant(self._lease_id)
                 if self._reput_pending:
                     await self._reput()
-            except RETRYABLE as e:
+            except Exception as e:  # the keepalive must outlive any error; expected ones are quiet
                 if failing_since is None:
                     failing_since = time.monotonic()
-                    log.warning("lease keepalive failed (%r); retrying with backoff", e)
+                    log.warning("lease keepalive failed (%r); retrying with backoff", e,
+                                exc_info=not isinstance(e, RETRYABLE))
                 delay = backoff
                 backoff = min(backoff * 2, BACKOFF_MAX)
                 continue
@@ -190,9 +192,14 @@ class EtcdDiscovery(DiscoveryBase):
             raise DiscoveryError("lease keepalive stream closed without a reply")
         return int(reply.TTL)
 
-    async def _regrant(self) -> None:
-        """Grant a fresh lease (keeping instance_id) and schedule re-putting leased keys."""
+    async def _regrant(self, stale: int | None) -> None:
+        """Replace the lost lease ``stale`` (keeping instance_id) and re-put leased keys.
+
+        A no-op if another task already replaced it.
+        """
         async with self._lease_lock:
+            if self._lease_id != stale:
+                return
             client = self._need_client()
             lease = await asyncio.wait_for(client.lease(self.lease_ttl), self.op_timeout)
             self.lease_grants += 1
@@ -205,8 +212,13 @@ class EtcdDiscovery(DiscoveryBase):
     async def _reput(self) -> None:
         async with self._lease_lock:
             client = self._need_client()
-            for key, raw in list(self._leased.items()):
-                await asyncio.wait_for(client.put(key.encode(), raw, lease=self._lease_id),
+            items = list(self._leased.items())
+            # One transaction per chunk so watchers see a process's keys come back together
+            # (etcd allows 128 operations per transaction by default).
+            for i in range(0, len(items), TXN_MAX_OPS):
+                puts = [client.transactions.put(key.encode(), raw, lease=self._lease_id)
+                        for key, raw in items[i:i + TXN_MAX_OPS]]
+                await asyncio.wait_for(client.transaction(compare=[], success=puts, failure=[]),
                                        self.op_timeout)
             self._reput_pending = False
             if self._leased:
@@ -221,12 +233,14 @@ class EtcdDiscovery(DiscoveryBase):
             self._leased.pop(key, None)
             await self._call(lambda c: c.put(key.encode(), raw), f"put {key}")
             return
+        stale = self._lease_id
         try:
             await self._put_leased(key, raw)
         except DiscoveryError as e:
             if not _lease_not_found(e.__cause__):
                 raise
-            await self._regrant()
+            log.warning("lease %x no longer exists in etcd; granting a new one", stale or 0)
+            await self._regrant(stale)
             await self._put_leased(key, raw)
 
     async def _put_leased(self, key: str, raw: bytes) -> None:

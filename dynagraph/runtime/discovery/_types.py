@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -143,7 +143,7 @@ class Discovery(Protocol):
         """Remove ``key`` (no error if absent)."""
         ...
 
-    def watch_prefix(self, prefix: str) -> AsyncIterator[tuple[str, Any | None]]:
+    def watch_prefix(self, prefix: str) -> AsyncGenerator[tuple[str, Any | None], None]:
         """Current values first, then ``(key, value)`` for puts and ``(key, None)`` for deletes.
 
         Survives etcd restarts. Close it with ``aclose()`` (or ``contextlib.aclosing``)
