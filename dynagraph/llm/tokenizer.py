@@ -53,15 +53,15 @@ class Tokenizer:
         EOS ids from ``generation_config.json`` (if present) are added to the tokenizer's
         own EOS id, as vLLM does.
         """
-        from transformers import AutoTokenizer
-
         path = Path(model_dir)
         if not path.is_dir():
             raise ConfigError(f"model directory {path} does not exist")
-        try:
-            hf = AutoTokenizer.from_pretrained(
-                str(path), local_files_only=True, trust_remote_code=trust_remote_code
+        if not any((path / name).is_file() for name in _TOKENIZER_FILES):
+            raise ConfigError(
+                f"no tokenizer in {path}: expected one of {', '.join(_TOKENIZER_FILES)}"
             )
+        try:
+            hf = _load_hf_tokenizer(path, trust_remote_code=trust_remote_code)
         except (OSError, ValueError) as exc:
             raise ConfigError(f"cannot load a tokenizer from {path}: {exc}") from exc
         return cls(hf, extra_eos_token_ids=_generation_config_eos(path))
@@ -118,6 +118,28 @@ class Tokenizer:
         """Chat template then encode, without adding special tokens a second time."""
         text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
         return self.encode(text, add_special_tokens=False)
+
+
+# Tokenizer classes that are nothing but a tokenizer.json: loading them directly skips
+# AutoTokenizer's model registry, which imports torch (seconds of start-up).
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+_GENERIC_CLASSES = frozenset({"PreTrainedTokenizerFast", "TokenizersBackend"})
+
+
+def _load_hf_tokenizer(path: Path, *, trust_remote_code: bool) -> PreTrainedTokenizerBase:
+    config_path = path / "tokenizer_config.json"
+    tokenizer_class = None
+    if config_path.is_file() and (path / "tokenizer.json").is_file():
+        tokenizer_class = json.loads(config_path.read_text()).get("tokenizer_class")
+    if tokenizer_class in _GENERIC_CLASSES:
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(
+        str(path), local_files_only=True, trust_remote_code=trust_remote_code
+    )
 
 
 def _generation_config_eos(model_dir: Path) -> list[int]:
