@@ -201,9 +201,12 @@ class _ServerConnection(asyncio.Protocol):
         try:
             agen = handler(payload, ctx)
             async with contextlib.aclosing(agen):  # type: ignore[type-var]
+                out = self._out
                 async for item in agen:
-                    self._write(self._encoder.item(item))
-                    if len(self._out) >= FLUSH_BYTES:
+                    if not self._flush_scheduled:
+                        self._schedule_flush()
+                    self._encoder.append_item(out, item)
+                    if len(out) >= FLUSH_BYTES:
                         self._flush()
                         await asyncio.sleep(0)  # a tight producer must not starve the loop
                     if self._paused:
@@ -249,16 +252,21 @@ class _ServerConnection(asyncio.Protocol):
     def _write(self, frame: bytes) -> None:
         self._out += frame
         if not self._flush_scheduled:
-            self._flush_scheduled = True
-            asyncio.get_running_loop().call_soon(self._flush)
+            self._schedule_flush()
+
+    def _schedule_flush(self) -> None:
+        self._flush_scheduled = True
+        asyncio.get_running_loop().call_soon(self._flush)
 
     def _flush(self) -> None:
         self._flush_scheduled = False
         if not self._out or self._closed or self._transport is None:
             self._out.clear()
             return
-        data, self._out = self._out, bytearray()  # never mutate a buffer after write()
-        self._transport.write(data)
+        # bytes(): the transport may keep a reference to what it could not send yet,
+        # and self._out is reused.
+        self._transport.write(bytes(self._out))
+        self._out.clear()
 
     async def _wait_drain(self) -> None:
         while self._paused and not self._closed:

@@ -137,3 +137,30 @@ def test_local_subclass_of_a_wire_error_arrives_as_the_wire_type() -> None:
 
 def test_malformed_error_frame_is_a_protocol_error() -> None:
     assert isinstance(error_from_frame([ERROR, "x"]), ProtocolError)
+
+
+def test_body_that_is_not_exactly_one_value_of_the_announced_length() -> None:
+    body = msgpack.packb([1, 2]) + b"\x01"  # one extra byte inside the frame
+    dec = FrameDecoder(100)
+    dec.feed(struct.pack(">I", len(body)) + body)
+    with pytest.raises(ProtocolError, match="not one msgpack value"):
+        dec.next()
+
+
+def test_append_item_matches_item() -> None:
+    enc = FrameEncoder()
+    out = bytearray(b"prefix")
+    enc.append_item(out, {"a": 1})
+    assert bytes(out) == b"prefix" + enc.item({"a": 1})
+
+
+def test_buffered_counts_undecoded_bytes() -> None:
+    enc = FrameEncoder()
+    data = enc.item(1) + enc.item(2)
+    dec = FrameDecoder(100)
+    dec.feed(data[:-1])
+    assert dec.buffered == len(data) - 1
+    assert dec.next() == [ITEM, 1]
+    assert dec.next() is None
+    dec.feed(data[-1:])
+    assert dec.next() == [ITEM, 2] and dec.buffered == 0
