@@ -357,7 +357,8 @@ class NatsPrefillQueue:
         log.debug("NATS %s: %r", self.url, e)
 
     async def _on_disconnected(self) -> None:
-        log.warning("prefill queue disconnected from NATS %s; reconnecting", self.url)
+        if self._nc is not None and not self._nc.is_closed:  # not our own close()
+            log.warning("prefill queue disconnected from NATS %s; reconnecting", self.url)
 
     async def _on_reconnected(self) -> None:
         log.info("prefill queue reconnected to NATS %s", self.url)
