@@ -38,6 +38,12 @@ class RpcServer:
 
     Call ``add_endpoint`` for each endpoint, then ``start()``; publish ``address``
     through discovery; ``stop()`` on shutdown.
+
+    A handler is cancelled when its caller cancels or disconnects, or when ``stop()``'s
+    grace runs out; ``ctx.cancelled`` is set first. A handler waiting at an ``await``
+    sees ``CancelledError`` there; one held at its ``yield`` by backpressure is closed
+    (``GeneratorExit``). Either way its ``finally`` blocks run. An exception raised by
+    a handler is sent to the caller and logged here (at INFO for ``WIRE_ERRORS``).
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *,
@@ -200,6 +206,11 @@ class _ServerConnection(asyncio.Protocol):
     async def _run(self, handler: Handler, payload: Any, ctx: RequestContext) -> None:
         try:
             agen = handler(payload, ctx)
+            if not hasattr(agen, "__anext__"):
+                if hasattr(agen, "close"):
+                    agen.close()  # a coroutine: close it so it is not reported as never awaited
+                raise TypeError(f"the handler of endpoint {ctx.endpoint!r} must be an async "
+                                f"generator function, it returned {type(agen).__name__}")
             async with contextlib.aclosing(agen):  # type: ignore[type-var]
                 out = self._out
                 async for item in agen:

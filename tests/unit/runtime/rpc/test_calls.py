@@ -144,3 +144,30 @@ async def test_closed_client_refuses_calls(server: RpcServer) -> None:
     await cl.close()
     with pytest.raises(InstanceUnavailable, match="closed"):
         await collect(cl.call(server.address, "count", {"n": 1}))
+
+
+async def test_a_handler_that_is_not_an_async_generator_is_reported(client: RpcClient) -> None:
+    async def coroutine(payload: Any, ctx: RequestContext) -> int:
+        return 1
+
+    srv = RpcServer()
+    srv.add_endpoint("coro", coroutine)  # type: ignore[arg-type]
+    await srv.start()
+    try:
+        with pytest.raises(RemoteError, match="must be an async generator function"):
+            await collect(client.call(srv.address, "coro", None))
+    finally:
+        await srv.stop()
+
+
+async def test_duplicate_endpoint_is_refused() -> None:
+    srv = RpcServer()
+    srv.add_endpoint("a", _one)
+    with pytest.raises(ValueError, match="already registered"):
+        srv.add_endpoint("a", _one)
+    with pytest.raises(RuntimeError, match="after start"):
+        _ = srv.address
+
+
+async def _one(payload: Any, ctx: RequestContext) -> AsyncIterator[int]:
+    yield 1
