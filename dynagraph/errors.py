@@ -115,5 +115,5 @@ class PromptTooLong(InvalidRequest):
 # caller side (instead of a generic RemoteError), keyed by class name.
 WIRE_ERRORS: dict[str, type[DynagraphError]] = {
     cls.__name__: cls
-    for cls in (InvalidRequest, PromptTooLong, EngineError, NoInstancesError)
+    for cls in (InvalidRequest, PromptTooLong, EngineError, NoInstancesError, StreamBroken)
 }

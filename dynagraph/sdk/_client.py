@@ -9,6 +9,7 @@ calls exactly that instance. Each returns an async iterator of responses; closin
 
 from __future__ import annotations
 
+import contextlib
 import random as _random
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
@@ -35,8 +36,9 @@ class EndpointClient:
     """Calls one endpoint of one component, choosing among its live instances."""
 
     def __init__(self, caller: Caller, source: InstanceSource, component: str, endpoint: str,
-                 rng: _random.Random | None = None) -> None:
+                 rng: _random.Random | None = None, *, wait_timeout: float = 2.0) -> None:
         self._caller = caller
+        self.wait_timeout = wait_timeout
         self._source = source
         self.component = component
         self.endpoint = endpoint
@@ -59,6 +61,14 @@ class EndpointClient:
     def random(self, request: Any, *, headers: dict[str, str] | None = None) -> AsyncIterator[Any]:
         return self._with_retry(request, self._rng.choice, headers)
 
+    async def _await_any(self) -> None:
+        """Right after start-up the watch may lag etcd by a few ms: give it a moment."""
+        wait_for = getattr(self._source, "wait_for", None)
+        if self._source.instances() or wait_for is None or self.wait_timeout <= 0:
+            return
+        with contextlib.suppress(Exception):
+            await wait_for(1, timeout=self.wait_timeout)
+
     async def direct(self, request: Any, instance_id: int, *,
                      headers: dict[str, str] | None = None) -> AsyncIterator[Any]:
         for inst in self._source.instances():
@@ -79,6 +89,7 @@ class EndpointClient:
                           headers: dict[str, str] | None) -> AsyncIterator[Any]:
         failed: set[int] = set()
         headers = _headers(headers)
+        await self._await_any()
         while True:
             live = [i for i in self._source.instances() if i.instance_id not in failed]
             if not live:

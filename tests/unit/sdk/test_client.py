@@ -110,3 +110,23 @@ async def test_component_client_named_endpoints() -> None:
     assert [c[1] for c in caller.calls] == ["generate", "stats", "stats"]
     with pytest.raises(AttributeError, match="no endpoint 'nope'"):
         cc.nope(1)
+
+
+class LateSource(Source):
+    """No instances until ``wait_for`` has been awaited once (a watch catching up)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waited = 0
+
+    async def wait_for(self, count: int = 1, timeout: float = 10.0) -> list[Inst]:
+        self.waited += 1
+        self.live = [Inst(5, "addr5")]
+        return self.live
+
+
+async def test_waits_briefly_for_a_first_instance() -> None:
+    src = LateSource()
+    c = EndpointClient(FakeCaller(), src, "W", "generate")
+    assert await collect(c.round_robin("p")) == ["addr5", "p"]
+    assert src.waited == 1
