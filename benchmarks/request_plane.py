@@ -7,7 +7,8 @@ port, a bare asyncio TCP server speaking length-prefixed msgpack frames with no 
 layer (the floor). The parent measures, for each:
 
   (a) sequential one-response calls: round-trip p50 / p99 in microseconds;
-  (b) one stream of N small items ({"i": n}): items per second.
+  (b) one stream of N small items ({"i": n}): items per second;
+  (c) RPC only: one-response calls from 32 concurrent tasks (32 pooled connections).
 
 Everything binds to 127.0.0.1. Prints a table and writes
 benchmarks/results/request_plane.json and .md. Targets (issue 2): p50 <= 100 us,
@@ -43,6 +44,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 _LEN = struct.Struct(">I")
 TARGET_P50_US = 100.0
 TARGET_ITEMS_PER_S = 200_000
+CONCURRENCY = 32
 
 
 def _frame(body: Any) -> bytes:
@@ -210,8 +212,27 @@ async def _measure(rpc_addr: str, bare_addr: str, calls: int, items: int) -> dic
     result["bare_stream"] = {"items": items, "seconds": round(elapsed, 3),
                              "items_per_s": round(items / elapsed)}
     bare.transport.close()
+    result["rpc_concurrent"] = await _concurrent(rpc_one, CONCURRENCY, calls)
     await client.close()
     return result
+
+
+async def _concurrent(call: Callable[[], Any], tasks: int, calls: int) -> dict[str, Any]:
+    """``tasks`` tasks each making sequential calls until ``calls`` are done in total."""
+    left = calls
+
+    async def worker() -> None:
+        nonlocal left
+        while left > 0:
+            left -= 1
+            await call()
+
+    await asyncio.gather(*(worker() for _ in range(tasks)))  # warm the pool
+    left = calls
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(tasks)))
+    elapsed = time.perf_counter() - t0
+    return {"tasks": tasks, "calls": calls, "calls_per_s": round(calls / elapsed)}
 
 
 def run_one(loop_kind: str, calls: int, items: int) -> dict[str, Any]:
@@ -245,6 +266,8 @@ def _table(runs: list[dict[str, Any]]) -> str:
                      f"{brt['p99_us']} us | |")
         lines.append(f"| {r['loop']} | one stream, items/s | {r['rpc_stream']['items_per_s']:,} | "
                      f"{r['bare_stream']['items_per_s']:,} | >= {TARGET_ITEMS_PER_S:,} |")
+        lines.append(f"| {r['loop']} | {r['rpc_concurrent']['tasks']} concurrent callers, "
+                     f"calls/s | {r['rpc_concurrent']['calls_per_s']:,} | | |")
     return "\n".join(lines)
 
 

@@ -39,6 +39,13 @@ async def test_request_id_comes_from_header_or_is_generated(
     assert generated["headers"] == {"x-request-id": generated["request_id"]}
 
 
+async def test_large_payloads_cross_in_both_directions(
+        server: RpcServer, client: RpcClient) -> None:
+    blob = bytes(range(256)) * (4 << 12)  # 4 MiB: many socket reads, paused reading
+    [got] = await collect(client.call(server.address, "echo", blob))
+    assert got["payload"] == blob
+
+
 async def test_connection_is_reused_by_sequential_calls(
         server: RpcServer, client: RpcClient) -> None:
     peers = {(await collect(client.call(server.address, "echo", i)))[0]["peer"] for i in range(5)}

@@ -12,6 +12,7 @@ import pytest
 
 from dynagraph.errors import InstanceUnavailable, StreamBroken
 from dynagraph.runtime.rpc import RequestContext, RpcClient, RpcServer
+from dynagraph.runtime.rpc._client import READ_HIGH_WATER
 from dynagraph.runtime.rpc._framing import FrameEncoder
 
 from ._support import collect, wait_until
@@ -118,6 +119,8 @@ async def test_slow_consumer_holds_a_fast_producer(client: RpcClient) -> None:
                 await asyncio.sleep(0.1)
         # Bounded by socket buffers + the two 256 KiB user-space buffers, not by time.
         assert produced * 100 < 32 << 20
+        conn = stream._conn
+        assert conn is not None and conn._decoder.buffered <= READ_HIGH_WATER + (256 << 10)
         for _ in range(produced // 2):
             await anext(stream)
         await wait_until(lambda: produced > last)  # reading resumes the producer
