@@ -12,6 +12,7 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Protocol
 
 import msgspec
@@ -135,9 +136,12 @@ def create_app(
 
 
 class _RequestState:
-    __slots__ = ("endpoint", "request_type", "start", "status", "last")
+    __slots__ = ("request_id", "endpoint", "request_type", "start", "status", "last")
 
-    def __init__(self, endpoint: Endpoint, request_type: str, start: float) -> None:
+    def __init__(
+        self, request_id: str, endpoint: Endpoint, request_type: str, start: float
+    ) -> None:
+        self.request_id = request_id
         self.endpoint = endpoint
         self.request_type = request_type
         self.start = start
@@ -170,7 +174,7 @@ class _Routes:
             self.metrics.count_request(endpoint, UNARY, ERROR)
             return error_response(err.status, err.info, headers)
 
-        state = _RequestState(endpoint, STREAM if parsed.stream else UNARY, start)
+        state = _RequestState(request_id, endpoint, STREAM if parsed.stream else UNARY, start)
         self.metrics.inflight.inc()
         stream: AsyncIterator[TextChunk] | None = None
         try:
@@ -181,7 +185,7 @@ class _Routes:
                 return SSEResponse(
                     self._events(stream, first, parsed, request_id, state),
                     headers=headers,
-                    on_disconnect=self.metrics.disconnects.inc,
+                    on_close=partial(self._close_stream, stream, state),
                 )
             body = await race_disconnect(
                 request.receive, self._collect(stream, parsed, request_id, state)
@@ -194,9 +198,12 @@ class _Routes:
             self.metrics.disconnects.inc()
             return await self._fail(stream, state, Response(status_code=499, headers=headers))
         except Exception as exc:
-            err = from_exception(exc)
-            log.info("request %s failed with %d: %s", request_id, err.status, err.info.message)
-            return await self._fail(stream, state, error_response(err.status, err.info, headers))
+            failure = from_exception(exc)
+            log.info(
+                "request %s failed with %d: %s", request_id, failure.status, failure.info.message
+            )
+            response = error_response(failure.status, failure.info, headers)
+            return await self._fail(stream, state, response)
 
     def _parse(self, body: bytes, endpoint: Endpoint) -> OpenAIRequest:
         model_cls = ChatCompletionRequest if endpoint == "chat" else CompletionRequest
@@ -305,9 +312,15 @@ class _Routes:
             err = from_exception(exc)
             log.info("request %s failed mid-stream: %s", request_id, err.info.message)
             yield sse_error(ErrorResponse(error=err.info))
-        finally:
-            await _aclose(stream)
-            self._finish(state)
+
+    async def _close_stream(
+        self, stream: AsyncIterator[TextChunk], state: _RequestState, disconnected: bool
+    ) -> None:
+        if disconnected:
+            log.info("request %s: client disconnected mid-stream", state.request_id)
+            self.metrics.disconnects.inc()
+        await _aclose(stream)
+        self._finish(state)
 
     async def _fail(
         self, stream: AsyncIterator[TextChunk] | None, state: _RequestState, response: Response

@@ -140,9 +140,9 @@ async def race_disconnect(receive: Receive, awaitable: Awaitable[T]) -> T:
 class SSEResponse(Response):
     """Streams ``body`` as ``text/event-stream``, cancelling it if the client disconnects.
 
-    Unlike Starlette's StreamingResponse it always closes the body iterator (so the
-    backend request behind it is cancelled promptly) and calls ``on_disconnect`` once
-    when the client went away before the end.
+    Unlike Starlette's StreamingResponse it always closes the body iterator, then awaits
+    ``on_close(disconnected)`` exactly once, even if the body never started (so the
+    caller can close the backend request and settle its bookkeeping in one place).
     """
 
     media_type = "text/event-stream"
@@ -152,12 +152,12 @@ class SSEResponse(Response):
         body: AsyncIterator[bytes],
         *,
         headers: Mapping[str, str] | None = None,
-        on_disconnect: Callable[[], None] | None = None,
+        on_close: Callable[[bool], Awaitable[None]] | None = None,
     ) -> None:
         self.body_iterator = body
         self.status_code = 200
         self.background = None
-        self._on_disconnect = on_disconnect
+        self._on_close = on_close
         self.init_headers({"cache-control": "no-cache", **(headers or {})})
 
     async def _pump(self, send: Send) -> None:
@@ -171,21 +171,23 @@ class SSEResponse(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         pump = asyncio.ensure_future(self._pump(send))
         watcher = asyncio.ensure_future(wait_for_disconnect(receive))
+        disconnected = False
+        error: BaseException | None = None
         try:
             await asyncio.wait((pump, watcher), return_when=asyncio.FIRST_COMPLETED)
         finally:
             watcher.cancel()
-            disconnected = not pump.done()
-            if disconnected:
+            if not pump.done():
+                disconnected = True
                 pump.cancel()
                 await asyncio.wait((pump,))
+            error = None if pump.cancelled() else pump.exception()
+            if isinstance(error, OSError):  # ASGI 2.4 servers raise on send() after a disconnect
+                disconnected, error = True, None
             aclose = getattr(self.body_iterator, "aclose", None)
             if aclose is not None:
                 await aclose()
-        error = None if pump.cancelled() else pump.exception()
-        if isinstance(error, OSError):  # ASGI 2.4 servers raise on send() after a disconnect
-            disconnected = True
-        elif error is not None:
+            if self._on_close is not None:
+                await self._on_close(disconnected)
+        if error is not None:
             raise error
-        if disconnected and self._on_disconnect is not None:
-            self._on_disconnect()
