@@ -48,7 +48,8 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         bos_token_id=1,
         eos_token_id=2,
     )
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    model: Any = LlamaForCausalLM(config)
+    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
     return out
 
 
@@ -85,6 +86,7 @@ def kv_sub() -> Iterator[tuple[zmq.asyncio.Socket, str]]:
 async def vllm_engine(
     tiny_llama_dir: Path, engine_env: None, kv_sub: tuple[zmq.asyncio.Socket, str]
 ) -> AsyncIterator[Any]:
+    from vllm.config import KVEventsConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -98,12 +100,9 @@ async def vllm_engine(
         max_num_seqs=8,
         enable_prefix_caching=True,
         dtype="bfloat16",
-        kv_events_config={
-            "enable_kv_cache_events": True,
-            "publisher": "zmq",
-            "endpoint": endpoint,
-            "topic": "kv",
-        },
+        kv_events_config=KVEventsConfig(
+            enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint, topic="kv"
+        ),
     )
     llm = AsyncLLM.from_engine_args(args)
     try:

@@ -7,6 +7,7 @@ import os
 import random
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -53,7 +54,7 @@ async def _collect(sock: zmq.asyncio.Socket, until: Any, within: float = 30.0) -
     return events
 
 
-def _stored_hashes(events: list[KvEvent]) -> list[int]:
+def _stored_hashes(events: Sequence[KvEvent]) -> list[int]:
     return [h for e in events if isinstance(e, BlocksStored) for h in e.block_hashes]
 
 

@@ -1,0 +1,384 @@
+"""Benchmark: the router's PrefixIndex against NVIDIA Dynamo's Rust RadixTree, one run.
+
+Workload (defaults): 64 workers, each holding exactly 100,000 blocks:
+  * one 128-block prefix that every worker holds (the "all share a long prefix" case),
+  * 250 of 1,000 shared 16-block prefixes (random per worker),
+  * unique conversations: a shared prefix + 4 chained turns of 8 blocks, one
+    BlockStored event per turn (parent = the previous turn's last block).
+
+Measured for each index:
+  * ingest, blocks/s: applying every BlockStored event. Ours twice: ``apply_stored``
+    on decoded lists, and end to end from vLLM-shaped msgpack payloads (4 events a
+    batch, 32 token ids per block, as vLLM sends) through ``decode_payload`` +
+    ``apply_events``. Dynamo: ``RadixTree.apply_event`` on its JSON events (which
+    carry no token ids), JSON parsing included.
+  * find_matches p50/p99 (us, call + reading the result) for (a) typical queries
+    (a worker's conversation + 4 new blocks) and (b) the 128-block prefix every
+    worker holds + 8 new blocks.
+  * bytes per (worker, block): ours by tracemalloc (everything the index retains,
+    int keys included); Dynamo by the growth of the process RSS (it allocates in Rust).
+
+Run: ``python benchmarks/router_index.py [--workers 64 --blocks-per-worker 100000]``.
+``ai-dynamo-runtime`` is a benchmark-only dependency; without it only ours is run.
+Writes benchmarks/results/router_index.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import os
+import platform
+import random
+import statistics
+import time
+import tracemalloc
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from dynagraph.llm.router.events import apply_events, decode_payload
+from dynagraph.llm.router.index import PrefixIndex
+
+log = logging.getLogger("bench.router_index")
+
+RESULTS = Path(__file__).parent / "results"
+LONG_PREFIX = 128
+PREFIX_BLOCKS = 16
+TURNS = 4
+TURN_BLOCKS = 8
+BLOCK_SIZE = 32
+EVENTS_PER_BATCH = 4
+
+
+@dataclass(frozen=True)
+class Config:
+    workers: int = 64
+    blocks_per_worker: int = 100_000
+    shared_prefixes: int = 1_000
+    prefixes_per_worker: int = 250
+    queries: int = 2_000
+    seed: int = 0
+
+
+@dataclass
+class Workload:
+    worker_ids: list[int]
+    long_prefix: list[int]
+    prefixes: list[list[int]]
+    sampled: list[tuple[int, list[int]]] = field(default_factory=list)  # (worker, chain)
+
+
+Event = tuple[int, int | None, list[int]]  # (worker id, parent hash, block hashes)
+
+
+def make_workload(cfg: Config) -> Workload:
+    rng = random.Random(cfg.seed)
+    return Workload(
+        worker_ids=[rng.getrandbits(63) for _ in range(cfg.workers)],
+        long_prefix=[rng.getrandbits(64) for _ in range(LONG_PREFIX)],
+        prefixes=[
+            [rng.getrandbits(64) for _ in range(PREFIX_BLOCKS)] for _ in range(cfg.shared_prefixes)
+        ],
+    )
+
+
+def worker_events(cfg: Config, wl: Workload, wi: int, sample: bool) -> Iterator[Event]:
+    """One worker's BlockStored events, deterministic per (seed, worker)."""
+    rng = random.Random(cfg.seed * 1_000_003 + wi + 1)
+    wid = wl.worker_ids[wi]
+    yield wid, None, wl.long_prefix
+    mine = rng.sample(range(len(wl.prefixes)), cfg.prefixes_per_worker)
+    for p in mine:
+        yield wid, None, wl.prefixes[p]
+    conv_blocks = TURNS * TURN_BLOCKS
+    left = cfg.blocks_per_worker - LONG_PREFIX - PREFIX_BLOCKS * len(mine)
+    conversations = left // conv_blocks
+    sample_every = max(1, conversations * cfg.workers // cfg.queries)
+    for c in range(conversations):
+        prefix = wl.prefixes[rng.choice(mine)]
+        parent = prefix[-1]
+        chain = list(prefix)
+        for _ in range(TURNS):
+            blocks = [rng.getrandbits(64) for _ in range(TURN_BLOCKS)]
+            yield wid, parent, blocks
+            chain.extend(blocks)
+            parent = blocks[-1]
+        if sample and c % sample_every == 0:
+            wl.sampled.append((wid, chain))
+    tail = left - conversations * conv_blocks
+    if tail:
+        yield wid, None, [rng.getrandbits(64) for _ in range(tail)]
+
+
+def all_events(cfg: Config, wl: Workload, sample: bool = False) -> Iterator[Event]:
+    for wi in range(cfg.workers):
+        yield from worker_events(cfg, wl, wi, sample)
+
+
+def dynamo_json(event_id: int, parent: int | None, blocks: list[int]) -> bytes:
+    return json.dumps(
+        {
+            "event_id": event_id,
+            "data": {
+                "stored": {
+                    "parent_hash": parent,
+                    "blocks": [{"block_hash": h, "tokens_hash": h} for h in blocks],
+                }
+            },
+        }
+    ).encode()
+
+
+def vllm_payloads(events: list[Event], rng: random.Random) -> list[tuple[int, bytes]]:
+    """vLLM-shaped KVEventBatch payloads, ``EVENTS_PER_BATCH`` events of one worker each."""
+    enc = msgspec.msgpack.Encoder()
+    out: list[tuple[int, bytes]] = []
+    i = 0
+    while i < len(events):
+        wid = events[i][0]
+        batch: list[dict[str, Any]] = []
+        while i < len(events) and len(batch) < EVENTS_PER_BATCH and events[i][0] == wid:
+            _, parent, blocks = events[i]
+            batch.append(
+                {
+                    "type": "BlockStored",
+                    "block_hashes": blocks,
+                    "parent_block_hash": parent,
+                    "token_ids": [rng.randrange(32_000) for _ in range(BLOCK_SIZE * len(blocks))],
+                    "block_size": BLOCK_SIZE,
+                    "lora_id": None,
+                    "medium": "GPU",
+                    "lora_name": None,
+                    "group_idx": 0,
+                }
+            )
+            i += 1
+        out.append((wid, enc.encode([time.time(), batch, 0])))
+    return out
+
+
+def make_queries(cfg: Config, wl: Workload) -> dict[str, list[list[int]]]:
+    rng = random.Random(cfg.seed + 7)
+    typical = [
+        chain + [rng.getrandbits(64) for _ in range(4)]
+        for _, chain in rng.sample(wl.sampled, min(cfg.queries, len(wl.sampled)))
+    ]
+    shared = [wl.long_prefix + [rng.getrandbits(64) for _ in range(8)] for _ in range(cfg.queries)]
+    return {"typical": typical, "all_share_128": shared}
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def latency_us(fn: Callable[[list[int]], Any], queries: list[list[int]]) -> dict[str, float]:
+    for q in queries[:200]:
+        fn(q)
+    samples: list[float] = []
+    clock = time.perf_counter_ns
+    for q in queries:
+        t0 = clock()
+        fn(q)
+        samples.append((clock() - t0) / 1000)
+    samples.sort()
+    return {
+        "p50_us": round(samples[len(samples) // 2], 2),
+        "p99_us": round(samples[int(len(samples) * 0.99)], 2),
+        "mean_us": round(statistics.fmean(samples), 2),
+    }
+
+
+def bench_ours(cfg: Config, wl: Workload, events: list[Event], queries: dict[str, Any]) -> dict:
+    entries = sum(len(b) for _, _, b in events)
+    res: dict[str, Any] = {}
+    gc.disable()
+    try:
+        idx = PrefixIndex()
+        t0 = time.perf_counter()
+        for wid, parent, blocks in events:
+            idx.apply_stored(wid, parent, blocks)
+        res["ingest_blocks_per_s"] = round(entries / (time.perf_counter() - t0))
+    finally:
+        gc.enable()
+    stats = idx.stats()
+    assert stats.entries == entries, (stats, entries)
+    res["unique_blocks"] = stats.unique_blocks
+    res["entries"] = stats.entries
+    for name, qs in queries.items():
+        res[name] = latency_us(idx.find_matches, qs)
+    sample = queries["all_share_128"][0]
+    assert len(idx.find_matches(sample)) == cfg.workers
+    assert all(v == LONG_PREFIX for v in idx.find_matches(sample).values())
+    del idx
+
+    payloads = vllm_payloads(events, random.Random(cfg.seed + 3))
+    gc.disable()
+    try:
+        idx = PrefixIndex()
+        t0 = time.perf_counter()
+        for wid, payload in payloads:
+            apply_events(idx, wid, decode_payload(payload)[2])
+        res["ingest_from_msgpack_blocks_per_s"] = round(entries / (time.perf_counter() - t0))
+    finally:
+        gc.enable()
+    assert idx.stats().entries == entries
+    del idx, payloads
+    gc.collect()
+
+    tracemalloc.start()
+    idx = PrefixIndex()
+    for wid, parent, blocks in all_events(cfg, wl):  # fresh ints: the index owns its keys
+        idx.apply_stored(wid, parent, blocks)
+    gc.collect()
+    current, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    res["bytes_total"] = current
+    res["bytes_per_entry"] = round(current / entries, 1)
+    res["bytes_per_unique_block"] = round(current / idx.stats().unique_blocks, 1)
+    return res
+
+
+def bench_dynamo(cfg: Config, wl: Workload, events: list[Event], queries: dict[str, Any]) -> dict:
+    from dynamo._core import RadixTree  # benchmark-only dependency: ai-dynamo-runtime
+
+    entries = sum(len(b) for _, _, b in events)
+    res: dict[str, Any] = {}
+    payloads = [(wid, dynamo_json(i, p, b)) for i, (wid, p, b) in enumerate(events)]
+    gc.collect()
+    rss0 = rss_bytes()
+    tree = RadixTree()
+    t0 = time.perf_counter()
+    for wid, payload in payloads:
+        tree.apply_event(wid, payload)
+    res["ingest_blocks_per_s"] = round(entries / (time.perf_counter() - t0))
+    res["rss_growth_bytes"] = rss_bytes() - rss0
+    res["bytes_per_entry"] = round(res["rss_growth_bytes"] / entries, 1)
+    del payloads
+    for name, qs in queries.items():
+        res[name] = latency_us(lambda q: tree.find_matches(q).scores, qs)
+    scores = tree.find_matches(queries["all_share_128"][0]).scores
+    assert len(scores) == cfg.workers and set(scores.values()) == {LONG_PREFIX}, scores
+    return res
+
+
+def write_results(cfg: Config, results: dict[str, Any]) -> None:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "router_index.json").write_text(json.dumps(results, indent=2) + "\n")
+    lines = [
+        "# Router prefix index vs Dynamo RadixTree",
+        "",
+        f"{results['when']}, {results['machine']}. **Provisional**: shared 2-core machine,",
+        "other jobs were running. Command: `python benchmarks/router_index.py`.",
+        "",
+        f"Workload: {cfg.workers} workers x {cfg.blocks_per_worker:,} blocks "
+        f"({results['entries']:,} (worker, block) entries); {cfg.shared_prefixes} shared "
+        f"{PREFIX_BLOCKS}-block prefixes ({cfg.prefixes_per_worker} per worker), a "
+        f"{LONG_PREFIX}-block prefix on every worker, unique {TURNS}x{TURN_BLOCKS}-block turns.",
+        "",
+        "| metric | ours (PrefixIndex) | Dynamo RadixTree (Rust) | target |",
+        "| --- | --- | --- | --- |",
+    ]
+    ours, dyn = results["ours"], results.get("dynamo") or {}
+
+    def g(d: dict[str, Any], *path: str) -> str:
+        for p in path:
+            if not isinstance(d, dict) or p not in d:
+                return "n/a"
+            d = d[p]
+        return f"{d:,}" if isinstance(d, int) else str(d)
+
+    rows = [
+        ("ingest, blocks/s (decoded events)", g(ours, "ingest_blocks_per_s"), "", ">= 1M"),
+        (
+            "ingest, blocks/s (from wire bytes)",
+            g(ours, "ingest_from_msgpack_blocks_per_s") + " (vLLM msgpack)",
+            g(dyn, "ingest_blocks_per_s") + " (JSON)",
+            ">= 1M",
+        ),
+        (
+            "find_matches typical p50 us",
+            g(ours, "typical", "p50_us"),
+            g(dyn, "typical", "p50_us"),
+            "",
+        ),
+        (
+            "find_matches typical p99 us",
+            g(ours, "typical", "p99_us"),
+            g(dyn, "typical", "p99_us"),
+            "<= 50",
+        ),
+        (
+            "find_matches all-64-share-128 p50 us",
+            g(ours, "all_share_128", "p50_us"),
+            g(dyn, "all_share_128", "p50_us"),
+            "",
+        ),
+        (
+            "find_matches all-64-share-128 p99 us",
+            g(ours, "all_share_128", "p99_us"),
+            g(dyn, "all_share_128", "p99_us"),
+            "<= 50",
+        ),
+        (
+            "bytes per (worker, block)",
+            g(ours, "bytes_per_entry") + " (tracemalloc)",
+            g(dyn, "bytes_per_entry") + " (RSS growth)",
+            "<= 150",
+        ),
+    ]
+    lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
+    if results.get("dynamo_error"):
+        lines += ["", f"Dynamo not measured: {results['dynamo_error']}"]
+    (RESULTS / "router_index.md").write_text("\n".join(lines) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--workers", type=int, default=Config.workers)
+    ap.add_argument("--blocks-per-worker", type=int, default=Config.blocks_per_worker)
+    ap.add_argument("--queries", type=int, default=Config.queries)
+    ap.add_argument("--seed", type=int, default=Config.seed)
+    ap.add_argument("--no-dynamo", action="store_true", help="measure only our index")
+    ap.add_argument("--no-write", action="store_true", help="print, do not write results")
+    a = ap.parse_args(argv)
+    cfg = Config(
+        workers=a.workers, blocks_per_worker=a.blocks_per_worker, queries=a.queries, seed=a.seed
+    )
+    wl = make_workload(cfg)
+    t0 = time.perf_counter()
+    events = list(all_events(cfg, wl, sample=True))
+    queries = make_queries(cfg, wl)
+    log.info("workload: %d events in %.1fs", len(events), time.perf_counter() - t0)
+    results: dict[str, Any] = {
+        "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": f"{os.cpu_count()} cores, {platform.python_implementation()} "
+        f"{platform.python_version()}",
+        "provisional": True,
+        "config": asdict(cfg),
+        "entries": sum(len(b) for _, _, b in events),
+        "events": len(events),
+    }
+    results["ours"] = bench_ours(cfg, wl, events, queries)
+    log.info("ours: %s", json.dumps(results["ours"]))
+    if not a.no_dynamo:
+        try:
+            results["dynamo"] = bench_dynamo(cfg, wl, events, queries)
+            log.info("dynamo: %s", json.dumps(results["dynamo"]))
+        except ImportError as exc:
+            results["dynamo_error"] = f"ai-dynamo-runtime not importable: {exc}"
+            log.warning("%s", results["dynamo_error"])
+    if not a.no_write:
+        write_results(cfg, results)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
