@@ -256,6 +256,16 @@ def run_one(loop_kind: str, calls: int, items: int) -> dict[str, Any]:
     return result
 
 
+def _median_run(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per-metric median over repeated runs; the raw runs are kept under ``samples``."""
+    merged: dict[str, Any] = {"loop": samples[0]["loop"], "repeat": len(samples)}
+    for key, value in samples[0].items():
+        if isinstance(value, dict):
+            merged[key] = {k: statistics.median(s[key][k] for s in samples) for k in value}
+    merged["samples"] = samples
+    return merged
+
+
 def _table(runs: list[dict[str, Any]]) -> str:
     lines = ["| loop | what | RPC | bare floor | target |", "| --- | --- | --- | --- | --- |"]
     for r in runs:
@@ -276,6 +286,8 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=5000)
     parser.add_argument("--items", type=int, default=500_000)
     parser.add_argument("--loop", choices=["asyncio", "uvloop", "both"], default="both")
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="runs per loop kind (fresh server process each); medians are reported")
     parser.add_argument("--no-write", action="store_true", help="do not write result files")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -286,7 +298,10 @@ def main() -> None:
         except ImportError:
             log.warning("uvloop is not installed; measuring the asyncio loop only")
             kinds.remove("uvloop")
-    runs = [run_one(kind, args.calls, args.items) for kind in kinds]
+    runs = []
+    for kind in kinds:
+        samples = [run_one(kind, args.calls, args.items) for _ in range(args.repeat)]
+        runs.append(_median_run(samples))
     table = _table(runs)
     sys.stdout.write(table + "\n")
     if args.no_write:
@@ -303,7 +318,8 @@ def main() -> None:
         f"`python benchmarks/request_plane.py` at {meta['when']}, Python {meta['python']}, "
         f"{meta['cpus']} CPUs, 1-min load average {meta['load_avg_1m']} "
         f"({meta['note']}).\nServer and client are separate processes on 127.0.0.1; "
-        f"{args.calls} sequential calls, one stream of {args.items:,} items `{{\"i\": n}}`. "
+        f"{args.calls} sequential calls, one stream of {args.items:,} items `{{\"i\": n}}`; "
+        f"each figure is the median of {args.repeat} runs. "
         "'bare floor' is asyncio.Protocol + the same msgpack framing with no RPC layer.\n\n"
         + table + "\n")
 
