@@ -55,13 +55,18 @@ class RpcServer:
         self._server: asyncio.Server | None = None
         self._connections: set[_ServerConnection] = set()
         self._address: str | None = None
-        self.stopping = False
+        self._stopping = False
 
     def add_endpoint(self, name: str, handler: Handler) -> None:
         """Register ``handler`` (an async generator function ``(payload, ctx)``) as ``name``."""
         if name in self._handlers:
             raise ValueError(f"endpoint {name!r} is already registered")
         self._handlers[name] = handler
+
+    @property
+    def stopping(self) -> bool:
+        """True once ``stop()`` has begun: new requests are refused (InstanceUnavailable)."""
+        return self._stopping
 
     @property
     def endpoints(self) -> list[str]:
@@ -100,9 +105,9 @@ class RpcServer:
         Idle connections are closed at once; a connection closes after its stream ends.
         Callers whose stream was cancelled see ``StreamBroken``.
         """
-        if self._server is None or self.stopping:
+        if self._server is None or self._stopping:
             return
-        self.stopping = True
+        self._stopping = True
         self._server.close()
         for conn in list(self._connections):
             if conn.task is None:
@@ -115,7 +120,10 @@ class RpcServer:
                             len(pending), grace)
                 for conn in list(self._connections):
                     conn.cancel_stream()
-                await asyncio.wait(pending, timeout=1.0)
+                _, stuck = await asyncio.wait(pending, timeout=1.0)
+                if stuck:
+                    log.error("%d handlers ignored cancellation; closing their connections",
+                              len(stuck))
         for conn in list(self._connections):
             conn.close()
         with contextlib.suppress(TimeoutError):
