@@ -8,7 +8,7 @@ Wire: TCP, length-prefixed msgpack frames (see ``_framing``), one stream at a ti
 pooled connection. Errors, as seen by the caller:
 
     InstanceUnavailable   not delivered (connect refused/timed out, server stopping)
-    StreamBroken          connection lost after the request was sent
+    StreamBroken          connection lost after the request was sent (or idle_timeout)
     RemoteError           the handler raised (``remote_type``, ``remote_message``);
                           types in ``dynagraph.errors.WIRE_ERRORS`` arrive as themselves
     ProtocolError         the peer broke the wire format

@@ -39,8 +39,11 @@ class RpcClient:
     """
 
     def __init__(self, *, connect_timeout: float = 2.0, max_frame_bytes: int = 64 << 20,
-                 max_idle_per_address: int = 64) -> None:
+                 max_idle_per_address: int = 64, idle_timeout: float | None = None) -> None:
+        """``idle_timeout``: if set, a stream that receives nothing for that many seconds
+        is cancelled and raises ``StreamBroken`` (None: wait as long as the peer lives)."""
         self._connect_timeout = connect_timeout
+        self.idle_timeout = idle_timeout
         self._max_frame_bytes = max_frame_bytes
         self._max_idle = max_idle_per_address
         self._encoder = FrameEncoder()
@@ -56,7 +59,7 @@ class RpcClient:
         here); the connection is made on the first ``__anext__``. Raises, while
         iterating: ``InstanceUnavailable`` (not delivered: connect failed or server
         stopping; safe to retry elsewhere), ``StreamBroken`` (connection lost after the
-        request was sent), ``RemoteError`` or a ``WIRE_ERRORS`` type (handler raised).
+        request was sent, or ``idle_timeout`` passed), ``RemoteError`` or a ``WIRE_ERRORS`` type (handler raised).
         Leaving the iteration early (break + garbage collection, ``aclose()``, or the
         task being cancelled) cancels the remote handler.
         """
@@ -144,7 +147,7 @@ class RpcStream:
                         raise StreamBroken(
                             f"connection to {self._address} lost during {self._endpoint!r}"
                             + (f": {conn.lost_reason}" if conn.lost_reason else ""))
-                    await conn.wait()
+                    await conn.wait(self._client.idle_timeout, self._address, self._endpoint)
                     continue
                 self._request = None  # delivered; never resend from here on
                 if frame[0] == ITEM and len(frame) == 2:
@@ -291,11 +294,22 @@ class _ClientConnection(asyncio.Protocol):
                 self._transport.resume_reading()
         return frame
 
-    async def wait(self) -> None:
-        """Wait until more bytes arrive or the connection is lost."""
+    async def wait(self, idle_timeout: float | None, address: str, endpoint: str) -> None:
+        """Wait until more bytes arrive or the connection is lost.
+
+        Raises StreamBroken after ``idle_timeout`` seconds without either.
+        """
         self._waiter = asyncio.get_running_loop().create_future()
         try:
-            await self._waiter
+            if idle_timeout is None:
+                await self._waiter
+                return
+            try:
+                async with asyncio.timeout(idle_timeout):
+                    await self._waiter
+            except TimeoutError:
+                raise StreamBroken(f"{endpoint!r} at {address} sent nothing for "
+                                   f"{idle_timeout}s (idle_timeout); cancelled") from None
         finally:
             self._waiter = None
 

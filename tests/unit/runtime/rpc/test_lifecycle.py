@@ -88,6 +88,20 @@ async def test_cancelling_the_callers_task_cancels_the_remote_handler(
     await assert_cancelled_promptly(slow)
 
 
+async def test_idle_timeout_breaks_and_cancels_a_silent_stream(
+        slow_server: tuple[RpcServer, Slow]) -> None:
+    srv, slow = slow_server
+    impatient = RpcClient(idle_timeout=0.05)
+    try:
+        stream = impatient.call(srv.address, "slow", None)
+        assert await anext(stream) == "first"
+        with pytest.raises(StreamBroken, match="sent nothing for 0.05s"):
+            await anext(stream)
+        await wait_until(lambda: slow.cancelled_at is not None, within=1.0)
+    finally:
+        await impatient.close()
+
+
 async def test_a_cancelled_connection_is_not_reused(
         slow_server: tuple[RpcServer, Slow], client: RpcClient, server: RpcServer) -> None:
     srv, slow = slow_server
