@@ -1,0 +1,383 @@
+"""The vLLM engine: vLLM v1's ``AsyncLLM`` embedded behind the :class:`Engine` protocol.
+
+Importing this module does not import vLLM. :meth:`VllmEngine.start` first sets the
+environment vLLM reads (``VLLM_CPU_KVCACHE_SPACE``, ``HF_HUB_OFFLINE``, ...) and only
+then imports it. ``AsyncLLM`` always runs its engine core in a child process; with
+``VLLM_ENABLE_V1_MULTIPROCESSING=0`` the model runs inside that child instead of a
+third process, which starts in a few seconds (good for tests).
+
+KV events: ``kv_events_endpoint`` is handed to vLLM's ZMQ publisher as is. An
+endpoint with a concrete host (``tcp://127.0.0.1:PORT``) makes vLLM *connect* its PUB
+socket there (bind your SUB socket first); ``ipc://PATH`` or ``tcp://*:PORT`` make
+it bind. Never use ``tcp://*`` here: it listens on every interface.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+import warnings
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from dynagraph.errors import ConfigError, EngineError, InvalidRequest, PromptTooLong
+from dynagraph.llm.engines.base import EngineLoad, EngineOutput, FinishReason, SamplingSpec
+
+log = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 300.0
+"""Upper bound on model load + engine core start (torch.compile can take a minute)."""
+SHUTDOWN_TIMEOUT_S = 30.0
+
+
+def _kebab(name: str) -> str:
+    return name.replace("_", "-")
+
+
+class VllmEngineArgs(BaseModel):
+    """Typed vLLM settings; YAML may spell keys in kebab-case (``block-size``)."""
+
+    model_config = ConfigDict(
+        extra="forbid", alias_generator=_kebab, validate_by_name=True, validate_by_alias=True
+    )
+
+    model: str
+    """Path of a Hugging Face style model directory (no hub is reachable)."""
+    served_model_name: str | None = None
+    block_size: int = Field(default=128, ge=16)
+    """KV block size in tokens; a multiple of 32 on the CPU. The router must use the same."""
+    max_model_len: int | None = Field(default=None, ge=16)
+    max_num_seqs: int | None = Field(default=None, ge=1)
+    max_num_batched_tokens: int | None = Field(default=None, ge=16)
+    kv_cache_space_gib: int = Field(default=1, ge=1)
+    """KV cache size on the CPU (``VLLM_CPU_KVCACHE_SPACE``); ignored on GPUs."""
+    enforce_eager: bool = True
+    """Skip torch.compile / graph capture (saves 30-70 s of start-up on the CPU)."""
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    dtype: str = "auto"
+    kv_events_endpoint: str | None = None
+    """ZMQ endpoint for vLLM's KV cache events; ``None`` disables them."""
+    kv_events_topic: str = "kv-events"
+    kv_events_replay_endpoint: str | None = None
+    kv_transfer_config: dict[str, Any] | None = None
+    """Passed to vLLM's ``KVTransferConfig`` (e.g. the NixlConnector settings)."""
+    cpu_threads_bind: str | None = None
+    """``VLLM_CPU_OMP_THREADS_BIND`` (e.g. ``"0"``, ``"0-1"``); ``None`` keeps vLLM's."""
+    cpu_reserved_cores: int | None = Field(default=None, ge=0)
+    """``VLLM_CPU_NUM_OF_RESERVED_CPU``; set 0 on 2-core machines with a KV connector."""
+    log_stats: bool = False
+    """Also run vLLM's own stat loggers (periodic log lines, ``vllm:*`` Prometheus metrics)."""
+    extra_engine_args: dict[str, Any] = Field(default_factory=dict)
+    """Any other ``vllm.AsyncEngineArgs`` field, passed through unchecked."""
+
+
+class _LoadTracker:
+    """Latest scheduler numbers, written by vLLM's stat logger hook, read by ``load()``."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._load = EngineLoad()
+
+    def update(
+        self, *, running: int, waiting: int, kv_usage: float, queries: int, hits: int, total: int
+    ) -> None:
+        with self._lock:
+            prev = self._load
+            self._load = EngineLoad(
+                running=running,
+                waiting=waiting,
+                kv_blocks_used=round(kv_usage * total),
+                kv_blocks_total=total,
+                prefix_cache_queries=prev.prefix_cache_queries + queries,
+                prefix_cache_hits=prev.prefix_cache_hits + hits,
+            )
+
+    def set_total(self, total: int) -> None:
+        with self._lock:
+            self._load = self._load.model_copy(update={"kv_blocks_total": total})
+
+    def get(self) -> EngineLoad:
+        with self._lock:
+            return self._load
+
+
+def _apply_env(args: VllmEngineArgs) -> None:
+    """Set what vLLM reads from the environment. Must run before vLLM is imported."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("VLLM_DO_NOT_TRACK", "1")
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(args.kv_cache_space_gib)
+    if args.cpu_threads_bind is not None:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = args.cpu_threads_bind
+    if args.cpu_reserved_cores is not None:
+        os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(args.cpu_reserved_cores)
+
+
+def _make_stat_logger_factory(tracker: _LoadTracker, num_blocks: list[int]) -> Any:
+    """A vLLM per-engine stat logger factory that feeds ``tracker``."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class _TrackerStatLogger(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            self._config = vllm_config
+
+        def record(
+            self,
+            scheduler_stats: Any,
+            iteration_stats: Any,
+            mm_cache_stats: Any = None,
+            engine_idx: int = 0,
+        ) -> None:
+            if scheduler_stats is None:
+                return
+            total = num_blocks[0] or (self._config.cache_config.num_gpu_blocks or 0)
+            pcs = scheduler_stats.prefix_cache_stats
+            tracker.update(
+                running=scheduler_stats.num_running_reqs,
+                waiting=scheduler_stats.num_waiting_reqs + scheduler_stats.num_skipped_waiting_reqs,
+                kv_usage=scheduler_stats.kv_cache_usage,
+                queries=pcs.queries if pcs is not None else 0,
+                hits=pcs.hits if pcs is not None else 0,
+                total=total,
+            )
+
+        def log_engine_initialized(self) -> None:
+            return None
+
+    def factory(vllm_config: Any, engine_index: int) -> StatLoggerBase:
+        return _TrackerStatLogger(vllm_config, engine_index)
+
+    return factory
+
+
+def _to_sampling_params(spec: SamplingSpec, kv_transfer_params: dict[str, Any] | None) -> Any:
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(
+        max_tokens=spec.max_tokens,
+        min_tokens=spec.min_tokens,
+        temperature=spec.temperature,
+        top_p=spec.top_p,
+        top_k=spec.top_k or 0,
+        seed=spec.seed,
+        ignore_eos=spec.ignore_eos,
+        stop_token_ids=list(spec.stop_token_ids),
+        presence_penalty=spec.presence_penalty,
+        frequency_penalty=spec.frequency_penalty,
+        detokenize=False,  # the processor detokenizes; the engine only moves ids
+        output_kind=RequestOutputKind.DELTA,
+        extra_args={"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None,
+    )
+
+
+class VllmEngine:
+    """One vLLM ``AsyncLLM`` serving token-id requests. See :class:`Engine`."""
+
+    def __init__(self, args: VllmEngineArgs) -> None:
+        self.args = args
+        self._llm: Any = None
+        self._tracker = _LoadTracker()
+        self._num_blocks = [0]
+        self._max_model_len = 0
+        self._start_seconds = 0.0
+        self._in_flight: set[str] = set()
+
+    @property
+    def started(self) -> bool:
+        return self._llm is not None
+
+    @property
+    def max_model_len(self) -> int:
+        """The context length in tokens (known after :meth:`start`)."""
+        return self._max_model_len
+
+    @property
+    def start_seconds(self) -> float:
+        """How long :meth:`start` took."""
+        return self._start_seconds
+
+    def engine_args(self) -> dict[str, Any]:
+        """The keyword arguments for ``vllm.AsyncEngineArgs`` (without config objects)."""
+        a = self.args
+        kwargs: dict[str, Any] = {
+            "model": a.model,
+            "served_model_name": a.served_model_name,
+            "block_size": a.block_size,
+            "max_model_len": a.max_model_len,
+            "max_num_seqs": a.max_num_seqs,
+            "max_num_batched_tokens": a.max_num_batched_tokens,
+            "enforce_eager": a.enforce_eager,
+            "enable_prefix_caching": a.enable_prefix_caching,
+            "seed": a.seed,
+            "dtype": a.dtype,
+            "disable_log_stats": not a.log_stats,
+            "enable_log_requests": False,
+        }
+        kwargs = {k: v for k, v in kwargs.items() if v is not None}
+        overlap = set(kwargs) & set(a.extra_engine_args)
+        if overlap:
+            raise ConfigError(
+                f"extra-engine-args repeats typed settings {sorted(overlap)}; "
+                "set them as top-level keys instead",
+                key="extra-engine-args",
+            )
+        return {**kwargs, **a.extra_engine_args}
+
+    def _build(self) -> Any:
+        """Create the AsyncLLM (blocking: loads the model, starts the engine core)."""
+        _apply_env(self.args)
+        with warnings.catch_warnings():  # vLLM's import trips torch FutureWarnings
+            warnings.simplefilter("ignore", FutureWarning)
+            from vllm import AsyncEngineArgs
+            from vllm.config import KVEventsConfig, KVTransferConfig
+            from vllm.platforms import current_platform
+            from vllm.v1.engine.async_llm import AsyncLLM
+
+        if current_platform.is_cpu() and self.args.block_size % 32:
+            raise ConfigError(
+                f"block-size {self.args.block_size} must be a multiple of 32 on the CPU",
+                key="block-size",
+            )
+        kwargs = self.engine_args()
+        if self.args.kv_events_endpoint:
+            kwargs["kv_events_config"] = KVEventsConfig(
+                enable_kv_cache_events=True,
+                publisher="zmq",
+                endpoint=self.args.kv_events_endpoint,
+                replay_endpoint=self.args.kv_events_replay_endpoint,
+                topic=self.args.kv_events_topic,
+            )
+        if self.args.kv_transfer_config:
+            kwargs["kv_transfer_config"] = KVTransferConfig(**self.args.kv_transfer_config)
+        try:
+            engine_args = AsyncEngineArgs(**kwargs)
+        except TypeError as exc:
+            raise ConfigError(f"bad vLLM engine argument: {exc}") from exc
+        factory = _make_stat_logger_factory(self._tracker, self._num_blocks)
+        return AsyncLLM.from_engine_args(engine_args, stat_loggers=[factory])
+
+    async def start(self) -> None:
+        """Load the model and start vLLM's engine core, off the event loop."""
+        if self._llm is not None:
+            return
+        began = time.monotonic()
+        built: list[Any] = []  # not a return value: a thread pool future would keep it alive
+        try:
+            await asyncio.wait_for(
+                asyncio.to_thread(lambda: built.append(self._build())), START_TIMEOUT_S
+            )
+        except (ConfigError, TimeoutError):
+            raise
+        except Exception as exc:
+            raise EngineError(f"vLLM failed to start for {self.args.model}: {exc}") from exc
+        llm = self._llm = built.pop()
+        self._max_model_len = int(llm.model_config.max_model_len)
+        self._num_blocks[0] = int(llm.vllm_config.cache_config.num_gpu_blocks or 0)
+        self._tracker.set_total(self._num_blocks[0])
+        self._start_seconds = time.monotonic() - began
+        log.info(
+            "vLLM engine ready in %.1fs: model %s, %d KV blocks of %d tokens, context %d",
+            self._start_seconds,
+            self.args.model,
+            self._num_blocks[0],
+            self.args.block_size,
+            self._max_model_len,
+        )
+
+    async def shutdown(self) -> None:
+        llm, self._llm = self._llm, None
+        if llm is None:
+            return
+        if self._in_flight:  # their streams end with finish_reason "abort"
+            await llm.abort(list(self._in_flight))
+        # Stop vLLM's output handler before its engine core goes away; otherwise it
+        # logs the core's exit as an EngineDeadError.
+        handler = getattr(llm, "output_handler", None)
+        if isinstance(handler, asyncio.Task):
+            handler.cancel()
+            await asyncio.wait([handler], timeout=SHUTDOWN_TIMEOUT_S)
+        await asyncio.wait_for(asyncio.to_thread(llm.shutdown), SHUTDOWN_TIMEOUT_S)
+        log.info("vLLM engine for %s shut down", self.args.model)
+
+    def load(self) -> EngineLoad:
+        return self._tracker.get()
+
+    async def abort(self, request_id: str) -> None:
+        if self._llm is not None:
+            await self._llm.abort(request_id)
+
+    def _check(self, prompt_token_ids: list[int]) -> None:
+        if self._llm is None:
+            raise EngineError("the vLLM engine is not started (call start() first)")
+        if not prompt_token_ids:
+            raise InvalidRequest("the prompt is empty", param="prompt")
+        if len(prompt_token_ids) >= self._max_model_len:
+            raise PromptTooLong(
+                f"the prompt has {len(prompt_token_ids)} tokens; the model's context is "
+                f"{self._max_model_len} tokens including at least one generated token",
+                param="prompt",
+                code="context_length_exceeded",
+            )
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingSpec,
+        *,
+        kv_transfer_params: dict[str, Any] | None = None,
+    ) -> AsyncIterator[EngineOutput]:
+        self._check(prompt_token_ids)
+        from vllm.exceptions import VLLMClientError
+        from vllm.inputs import TokensPrompt
+
+        params = _to_sampling_params(sampling, kv_transfer_params)
+        prompt = TokensPrompt(prompt_token_ids=list(prompt_token_ids))
+        if request_id in self._in_flight:
+            raise InvalidRequest(f"request id {request_id!r} is already in flight")
+        stream = self._llm.generate(prompt, params, request_id)
+        self._in_flight.add(request_id)
+        try:
+            async for out in stream:
+                yield _to_engine_output(out, len(prompt_token_ids))
+        except VLLMClientError as exc:
+            raise InvalidRequest(str(exc)) from exc
+        except (InvalidRequest, EngineError, asyncio.CancelledError, GeneratorExit):
+            raise
+        except Exception as exc:
+            raise EngineError(f"vLLM failed request {request_id}: {exc}") from exc
+        finally:
+            # Closing vLLM's generator aborts the request in the engine core if it
+            # has not finished (consumer cancelled us or stopped iterating).
+            self._in_flight.discard(request_id)
+            await stream.aclose()
+
+
+def _to_engine_output(out: Any, num_prompt_tokens: int) -> EngineOutput:
+    completion = out.outputs[0]
+    reason = completion.finish_reason if out.finished else None
+    if reason == "error":
+        raise EngineError(f"vLLM reported an error for request {out.request_id}")
+    return EngineOutput(
+        token_ids=list(completion.token_ids),
+        finish_reason=_finish_reason(reason),
+        num_prompt_tokens=num_prompt_tokens,
+        num_cached_tokens=out.num_cached_tokens or 0,
+        kv_transfer_params=out.kv_transfer_params if out.finished else None,
+    )
+
+
+def _finish_reason(reason: str | None) -> FinishReason | None:
+    if reason is None:
+        return None
+    if reason in ("length", "abort"):
+        return reason  # type: ignore[return-value]
+    return "stop"  # "stop" and vLLM's "repetition" both end the text normally

@@ -1,0 +1,416 @@
+"""Build a tiny Llama-architecture model directory from text found on this machine.
+
+No model hub is reachable from where dynagraph runs, so tests, benchmarks and the
+README demo use a model made here:
+
+    python -m dynagraph.llm.model_builder --out models/tiny-llama [--train-seconds N]
+
+The directory holds ``config.json`` (Llama: hidden 256, 4 layers, 4 heads, 2 KV
+heads, 8192 positions), ``model.safetensors``, a byte-level BPE tokenizer
+(``tokenizer.json`` + ``tokenizer_config.json`` with a ChatML chat template, so
+``transformers.AutoTokenizer.from_pretrained`` works), ``generation_config.json``
+and ``dynagraph_build.json`` (what was built and how long it trained).
+
+The text is the Python Language Reference shipped with the interpreter
+(``pydoc_data.topics``) plus docstrings of a fixed list of stdlib modules: nothing is
+downloaded. Tokenizer and weights are seeded; training runs ``train_steps`` steps, cut
+short by ``train_seconds`` (the build info records the steps done), so the same
+machine and Python build the same model unless the time budget runs out first.
+
+The build writes into a temporary sibling directory and renames it into place, so a
+crash never leaves half a model; a file lock serialises concurrent builders.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import hashlib
+import importlib
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import tempfile
+import time
+import types
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+BOS = "<|begin_of_text|>"
+EOS_TEXT = "<|end_of_text|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+PAD = "<|pad|>"
+SPECIAL_TOKENS = (BOS, EOS_TEXT, IM_START, IM_END, PAD)  # ids 0..4 in this order
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+REQUIRED_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "dynagraph_build.json",
+)
+
+DOCSTRING_MODULES = (
+    "abc", "argparse", "asyncio", "base64", "bisect", "calendar", "collections",
+    "contextlib", "csv", "dataclasses", "datetime", "decimal", "difflib", "email.message",
+    "enum", "fractions", "functools", "heapq", "http.client", "inspect", "ipaddress",
+    "itertools", "json", "logging", "os", "pathlib", "pickle", "queue", "random", "re",
+    "shutil", "socket", "statistics", "string", "subprocess", "tarfile", "tempfile",
+    "textwrap", "threading", "typing", "unittest", "urllib.parse", "uuid", "zipfile",
+)  # fmt: skip
+
+DEFAULT_OUT = Path("models/tiny-llama")
+
+
+@dataclass(frozen=True)
+class BuildSpec:
+    """Everything that determines the model. Stored in ``dynagraph_build.json``."""
+
+    vocab_size: int = 2048
+    hidden_size: int = 256
+    intermediate_size: int = 512
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    max_position_embeddings: int = 8192
+    seed: int = 0
+    train_steps: int = 800
+    train_seconds: float = 120.0
+    seq_len: int = 128
+    batch_size: int = 8
+    learning_rate: float = 3e-3
+    threads: int = 2
+
+
+# ---------------------------------------------------------------- corpus
+
+
+def _prose_paragraphs(text: str) -> Iterator[str]:
+    """Reflowed prose paragraphs of a reST-ish text; code blocks and headings dropped."""
+    for block in text.split("\n\n"):
+        lines = [ln for ln in block.splitlines() if ln.strip()]
+        if not lines or lines[0].startswith((" ", "\t", ">>>")):
+            continue
+        if any(set(ln.strip()) <= set("*=-~^") for ln in lines):
+            continue
+        para = " ".join(ln.strip() for ln in lines)
+        if len(para) >= 40 and sum(c.isalpha() for c in para) > 0.6 * len(para):
+            yield para
+
+
+def _docstrings(module_name: str) -> Iterator[str]:
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:
+        return
+    objs: list[Any] = [module]
+    for name, value in sorted(vars(module).items()):
+        if isinstance(value, types.ModuleType) or name.startswith("_"):
+            continue
+        if getattr(value, "__module__", None) == module_name:
+            objs.append(value)
+            if isinstance(value, type):
+                objs.extend(v for k, v in sorted(vars(value).items()) if not k.startswith("_"))
+    seen: set[str] = set()
+    for obj in objs:
+        doc = getattr(obj, "__doc__", None)
+        if isinstance(doc, str) and doc not in seen:
+            seen.add(doc)
+            yield doc
+
+
+def local_corpus() -> list[str]:
+    """English prose paragraphs from the Python installation, in a fixed order."""
+    texts: list[str] = []
+    try:
+        from pydoc_data.topics import topics
+
+        texts.extend(topics[key] for key in sorted(topics))
+    except ImportError:  # some distributions strip pydoc_data
+        log.warning("pydoc_data is missing; building the corpus from docstrings only")
+    with warnings.catch_warnings():  # some stdlib modules warn on attribute access
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for name in DOCSTRING_MODULES:
+            texts.extend(_docstrings(name))
+    paragraphs = [p for text in texts for p in _prose_paragraphs(text)]
+    if len(paragraphs) < 500:
+        raise RuntimeError(f"only {len(paragraphs)} paragraphs of local text found")
+    return paragraphs
+
+
+# ---------------------------------------------------------------- tokenizer
+
+
+def train_tokenizer(paragraphs: Sequence[str], vocab_size: int) -> Any:
+    """A byte-level BPE ``tokenizers.Tokenizer`` that prepends BOS when encoding."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(paragraphs, trainer=trainer)
+    tok.post_processor = processors.Sequence(
+        [
+            processors.ByteLevel(trim_offsets=False),
+            processors.TemplateProcessing(
+                single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, 0)]
+            ),
+        ]
+    )
+    for i, token in enumerate(SPECIAL_TOKENS):
+        assert tok.token_to_id(token) == i, f"{token} must have id {i}"
+    return tok
+
+
+def _write_tokenizer(tok: Any, out: Path) -> None:
+    tok.save(str(out / "tokenizer.json"))
+    special = {"bos_token": BOS, "eos_token": IM_END, "pad_token": PAD, "unk_token": None}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **special,
+        "additional_special_tokens": [EOS_TEXT, IM_START],
+        "model_max_length": BuildSpec.max_position_embeddings,
+        "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    special_map = {k: v for k, v in special.items() if v is not None}
+    special_map["additional_special_tokens"] = [EOS_TEXT, IM_START]
+    (out / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2) + "\n")
+
+
+def _render_chat(user: str, assistant: str) -> str:
+    return f"{BOS}{IM_START}user\n{user}{IM_END}\n{IM_START}assistant\n{assistant}{IM_END}\n"
+
+
+def _training_stream(tok: Any, paragraphs: Sequence[str], rng: random.Random) -> list[int]:
+    """Token ids: plain paragraphs (BOS .. EOS_TEXT) mixed with one-turn chats.
+
+    A chat asks with a paragraph's first sentence and answers with the rest, so the
+    model learns the chat layout and to end its turn with ``<|im_end|>``.
+    """
+    samples: list[str] = []
+    for para in paragraphs:
+        head, sep, rest = para.partition(". ")
+        if sep and len(rest) > 40 and rng.random() < 0.5:
+            samples.append(_render_chat(head + ".", rest[:600]))
+        else:
+            samples.append(f"{BOS}{para}{EOS_TEXT}")
+    rng.shuffle(samples)
+    ids: list[int] = []
+    for enc in tok.encode_batch(samples, add_special_tokens=False):
+        ids.extend(enc.ids)
+    return ids
+
+
+# ---------------------------------------------------------------- model
+
+
+def _llama_config(spec: BuildSpec, vocab_size: int) -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        bos_token_id=0,
+        eos_token_id=[3, 1],
+        pad_token_id=4,
+        torch_dtype="float32",
+    )
+
+
+def _train(model: Any, ids: list[int], spec: BuildSpec) -> dict[str, Any]:
+    import torch
+
+    data = torch.tensor(ids, dtype=torch.long)
+    gen = torch.Generator().manual_seed(spec.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=spec.learning_rate, weight_decay=0.01)
+    warmup = max(1, spec.train_steps // 20)
+
+    def lr_at(step: int) -> float:
+        if step < warmup:
+            return spec.learning_rate * (step + 1) / warmup
+        frac = (step - warmup) / max(1, spec.train_steps - warmup)
+        return spec.learning_rate * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
+
+    model.train()
+    start = time.monotonic()
+    deadline = start + spec.train_seconds
+    loss_val = float("nan")
+    step = 0
+    while step < spec.train_steps and time.monotonic() < deadline:
+        starts = torch.randint(0, len(data) - spec.seq_len, (spec.batch_size,), generator=gen)
+        batch = torch.stack([data[s : s + spec.seq_len] for s in starts.tolist()])
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step)
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # ~1.6x faster than float32 here
+            out = model(input_ids=batch, labels=batch)  # the model shifts labels itself
+        opt.zero_grad(set_to_none=True)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        loss_val = float(out.loss.detach())
+        step += 1
+        if step % 50 == 0:
+            log.info("step %d/%d loss %.3f", step, spec.train_steps, loss_val)
+    elapsed = time.monotonic() - start
+    if step < spec.train_steps:
+        log.warning("time budget of %.0fs ran out after %d steps", spec.train_seconds, step)
+    model.eval()
+    return {"steps_done": step, "final_loss": loss_val, "train_seconds_used": round(elapsed, 1)}
+
+
+def _build_into(tmp: Path, spec: BuildSpec) -> dict[str, Any]:
+    import torch
+    from transformers import GenerationConfig, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    torch.set_num_threads(spec.threads)
+    torch.manual_seed(spec.seed)
+    rng = random.Random(spec.seed)
+
+    paragraphs = local_corpus()
+    corpus_sha = hashlib.sha256("\n".join(paragraphs).encode()).hexdigest()
+    tok = train_tokenizer(paragraphs, spec.vocab_size)
+    _write_tokenizer(tok, tmp)
+    ids = _training_stream(tok, paragraphs, rng)
+
+    model = LlamaForCausalLM(_llama_config(spec, tok.get_vocab_size()))
+    stats: dict[str, Any] = {"steps_done": 0, "final_loss": None, "train_seconds_used": 0.0}
+    if spec.train_seconds > 0 and spec.train_steps > 0:
+        stats = _train(model, ids, spec)
+    model.save_pretrained(tmp, safe_serialization=True)
+    GenerationConfig(bos_token_id=0, eos_token_id=[3, 1], pad_token_id=4).save_pretrained(tmp)
+
+    info = {
+        "spec": asdict(spec),
+        "corpus_paragraphs": len(paragraphs),
+        "corpus_sha256": corpus_sha,
+        "training_tokens": len(ids),
+        "vocab_size": tok.get_vocab_size(),
+        **stats,
+    }
+    (tmp / "dynagraph_build.json").write_text(json.dumps(info, indent=2) + "\n")
+    return info
+
+
+# ---------------------------------------------------------------- public API
+
+
+def is_complete(path: Path) -> bool:
+    """True if ``path`` holds every file a finished build writes."""
+    return all((path / name).is_file() for name in REQUIRED_FILES)
+
+
+@contextlib.contextmanager
+def _locked(out: Path) -> Iterator[None]:
+    lock_path = out.parent / f".{out.name}.lock"
+    with open(lock_path, "a+") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)  # a concurrent build finishes in minutes at most
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def ensure_model(
+    out: Path | str = DEFAULT_OUT, spec: BuildSpec | None = None, *, force: bool = False
+) -> Path:
+    """Build the model into ``out`` unless a complete build is already there.
+
+    Safe to call from several processes at once; returns the absolute path.
+    """
+    spec = spec or BuildSpec()
+    out = Path(out).resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(out):
+        if is_complete(out) and not force:
+            log.debug("model already built at %s", out)
+            return out
+        start = time.monotonic()
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+        try:
+            info = _build_into(tmp, spec)
+            if out.exists():
+                trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+                os.rename(out, trash / out.name)
+                shutil.rmtree(trash, ignore_errors=True)
+            tmp.chmod(0o755)
+            os.rename(tmp, out)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        log.info(
+            "built %s in %.1fs (%d training steps, loss %s)",
+            out,
+            time.monotonic() - start,
+            info["steps_done"],
+            info["final_loss"],
+        )
+        return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m dynagraph.llm.model_builder", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="model directory")
+    parser.add_argument(
+        "--train-seconds",
+        type=float,
+        default=BuildSpec.train_seconds,
+        help="training time budget; 0 skips training (random weights)",
+    )
+    parser.add_argument("--train-steps", type=int, default=BuildSpec.train_steps)
+    parser.add_argument("--seed", type=int, default=BuildSpec.seed)
+    parser.add_argument("--force", action="store_true", help="rebuild even if complete")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    spec = BuildSpec(train_seconds=args.train_seconds, train_steps=args.train_steps, seed=args.seed)
+    path = ensure_model(args.out, spec, force=args.force)
+    print(path)  # the command's output, for scripts
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
