@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, MutableMapping
 from typing import Any
 
 import httpx
@@ -115,13 +115,13 @@ def sse_events(body: str) -> list[Any]:
 
 async def raw_asgi_call(
     app: FastAPI, path: str, body: dict[str, Any], *, disconnect_after_body_chunks: int
-) -> list[dict[str, Any]]:
+) -> list[MutableMapping[str, Any]]:
     """Drive the ASGI app directly; report ``http.disconnect`` after N body messages.
 
     (httpx's ASGITransport buffers whole responses, so it cannot disconnect mid-stream.)
     """
     payload = json.dumps(body).encode()
-    sent: list[dict[str, Any]] = []
+    sent: list[MutableMapping[str, Any]] = []
     disconnect = asyncio.Event()
     if disconnect_after_body_chunks == 0:
         disconnect.set()
@@ -135,7 +135,7 @@ async def raw_asgi_call(
         await disconnect.wait()
         return {"type": "http.disconnect"}
 
-    async def send(message: dict[str, Any]) -> None:
+    async def send(message: MutableMapping[str, Any]) -> None:
         sent.append(message)
         if message["type"] == "http.response.body":
             count = sum(1 for m in sent if m["type"] == "http.response.body")

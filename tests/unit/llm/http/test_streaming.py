@@ -142,7 +142,10 @@ async def test_openai_client_understands_the_responses(make_app: AppFactory) -> 
     app = make_app(FakeBackend(chunks_for(["Hello", " there"], prompt_tokens=2)))
     http_client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app))
     async with openai.AsyncOpenAI(
-        base_url="http://test/v1", api_key="unused", http_client=http_client, max_retries=0
+        base_url="http://test/v1",
+        api_key="unused",
+        http_client=http_client,  # type: ignore[arg-type]  # openai 3 annotates httpx2
+        max_retries=0,
     ) as client:
         reply = await client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4
