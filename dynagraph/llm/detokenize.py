@@ -11,14 +11,15 @@ Three layers, each usable alone:
 * :class:`ResponseDetokenizer` combines them for one request: it consumes
   :class:`LLMEngineOutput` deltas and produces :class:`TextChunk` values with the
   OpenAI finish reason and running usage counts. The Processor owns one per request and
-  stops reading from the worker once :attr:`ResponseDetokenizer.finished` is true.
+  stops reading from the worker once :attr:`ResponseDetokenizer.finished` is true;
+  :func:`detokenize_stream` does exactly that over an async iterator of engine outputs.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Literal
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
 from tokenizers.decoders import DecodeStream
 
@@ -211,3 +212,32 @@ class ResponseDetokenizer:
             completion_tokens=self.completion_tokens,
             cached_tokens=self.cached_tokens,
         )
+
+
+async def detokenize_stream(
+    detok: ResponseDetokenizer,
+    outputs: AsyncIterator[LLMEngineOutput | Mapping[str, Any]],
+) -> AsyncGenerator[TextChunk, None]:
+    """Drive ``detok`` over a worker's output stream (structs or their wire dicts).
+
+    Yields the text chunks; the last one has ``finish_reason`` set. Once the request is
+    finished (a stop string matched or ``max_tokens`` reached) ``outputs`` is closed at
+    once, which cancels the engine request behind it; it is also closed if the consumer
+    stops early. Raises :class:`EngineError` if ``outputs`` ends without a finish reason.
+    """
+    try:
+        async for item in outputs:
+            if isinstance(item, LLMEngineOutput):
+                output = item
+            else:
+                output = LLMEngineOutput.from_wire(dict(item))
+            chunk = detok.process(output)
+            if chunk is not None:
+                yield chunk
+            if detok.finished:
+                return
+        raise EngineError("the engine stream ended without a finish reason")
+    finally:
+        aclose = getattr(outputs, "aclose", None)
+        if aclose is not None:
+            await aclose()

@@ -1,5 +1,9 @@
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
 import pytest
 
 from dynagraph.errors import EngineError
@@ -7,6 +11,7 @@ from dynagraph.llm.detokenize import (
     IncrementalDetokenizer,
     ResponseDetokenizer,
     StopStringMatcher,
+    detokenize_stream,
     to_openai_finish_reason,
 )
 from dynagraph.llm.protocol import LLMEngineOutput, PreprocessedRequest, SamplingParams, TextChunk
@@ -224,3 +229,48 @@ def test_empty_output_yields_nothing(tok: Tokenizer) -> None:
     detok = ResponseDetokenizer(tok, make_request(tok))
     assert detok.process(LLMEngineOutput(token_ids=[], prompt_tokens=3)) is None
     assert detok.prompt_tokens == 3
+
+
+class EngineStream:
+    """An engine output stream that records whether it was closed early."""
+
+    def __init__(self, outputs: list[LLMEngineOutput]) -> None:
+        self.outputs = outputs
+        self.served = 0
+        self.closed = False
+
+    async def gen(self) -> AsyncIterator[Mapping[str, Any]]:
+        try:
+            for out in self.outputs:
+                self.served += 1
+                await asyncio.sleep(0)
+                yield out.to_wire()
+        finally:
+            self.closed = True
+
+
+async def test_detokenize_stream_stops_reading_at_a_stop_string(tok: Tokenizer) -> None:
+    ids = ids_of(tok, "Hello world! The quick brown fox")
+    engine = EngineStream(one_token_each(ids))
+    detok = ResponseDetokenizer(tok, make_request(tok, stop=["The"]))
+    chunks = [c async for c in detokenize_stream(detok, engine.gen())]
+    assert "".join(c.text for c in chunks) == "Hello world! "
+    assert chunks[-1].finish_reason == "stop"
+    assert engine.closed and engine.served < len(ids)
+
+
+async def test_detokenize_stream_without_finish_is_an_error(tok: Tokenizer) -> None:
+    engine = EngineStream([LLMEngineOutput(token_ids=ids_of(tok, "Hello"))])
+    detok = ResponseDetokenizer(tok, make_request(tok))
+    with pytest.raises(EngineError, match="without a finish reason"):
+        async for _ in detokenize_stream(detok, engine.gen()):
+            pass
+    assert engine.closed
+
+
+async def test_detokenize_stream_closed_by_consumer_closes_engine(tok: Tokenizer) -> None:
+    engine = EngineStream(one_token_each(ids_of(tok, "Hello world! The quick brown fox")))
+    stream = detokenize_stream(ResponseDetokenizer(tok, make_request(tok)), engine.gen())
+    assert (await anext(stream)).text
+    await stream.aclose()
+    assert engine.closed
