@@ -36,8 +36,8 @@ from dynagraph.llm.http.sse import (
     ChatStreamEncoder,
     ClientDisconnected,
     CompletionStreamEncoder,
+    DisconnectWatch,
     SSEResponse,
-    race_disconnect,
     sse_error,
 )
 from dynagraph.llm.protocol import (
@@ -180,16 +180,16 @@ class _Routes:
         try:
             stream = self.backend.generate(parsed, request_id)
             if parsed.stream:
-                first = await race_disconnect(request.receive, _first(stream))
+                async with DisconnectWatch(request.receive):
+                    first = await _first(stream)
                 self.metrics.ttft.observe(time.monotonic() - start)
                 return SSEResponse(
                     self._events(stream, first, parsed, request_id, state),
                     headers=headers,
                     on_close=partial(self._close_stream, stream, state),
                 )
-            body = await race_disconnect(
-                request.receive, self._collect(stream, parsed, request_id, state)
-            )
+            async with DisconnectWatch(request.receive):
+                body = await self._collect(stream, parsed, request_id, state)
             state.status = SUCCESS
             self._finish(state)
             return Response(body, headers=headers, media_type="application/json")

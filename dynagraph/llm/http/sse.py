@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from typing import TypeVar
 
 import msgspec
 from starlette.responses import Response
@@ -23,7 +22,6 @@ log = logging.getLogger(__name__)
 
 DONE = b"data: [DONE]\n\n"
 _encode = msgspec.json.Encoder().encode
-T = TypeVar("T")
 
 
 def sse_event(payload: bytes) -> bytes:
@@ -120,29 +118,50 @@ async def wait_for_disconnect(receive: Receive) -> None:
             return
 
 
-async def race_disconnect(receive: Receive, awaitable: Awaitable[T]) -> T:
-    """Await ``awaitable`` unless the client disconnects first; then cancel it, wait for
-    it to unwind and raise :class:`ClientDisconnected`. Use after the body was read."""
-    work = asyncio.ensure_future(awaitable)
-    watcher = asyncio.ensure_future(wait_for_disconnect(receive))
-    try:
-        await asyncio.wait((work, watcher), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not work.done():
-            work.cancel()
-            await asyncio.wait((work,))
-    if work.cancelled():
-        raise ClientDisconnected
-    return work.result()
+class DisconnectWatch:
+    """``async with DisconnectWatch(receive):`` cancels the body if the client disconnects.
+
+    The body runs in the current task (so a backend iterator is always driven by the one
+    task that handles the request: context variables, timeouts and task groups inside it
+    stay valid); a watcher task cancels this task on ``http.disconnect``, and the
+    cancellation surfaces from the ``async with`` as :class:`ClientDisconnected`.
+    Enter only after the request body was read.
+    """
+
+    def __init__(self, receive: Receive) -> None:
+        self._receive = receive
+        self.disconnected = False
+        self._task: asyncio.Task[object] | None = None
+        self._watcher: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> DisconnectWatch:
+        self._task = asyncio.current_task()
+        self._watcher = asyncio.ensure_future(self._watch())
+        return self
+
+    async def _watch(self) -> None:
+        await wait_for_disconnect(self._receive)
+        # The body is suspended at an await right now, so the cancellation lands inside it.
+        self.disconnected = True
+        assert self._task is not None
+        self._task.cancel()
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+        assert self._watcher is not None and self._task is not None
+        self._watcher.cancel()
+        if not self.disconnected:
+            return
+        remaining = self._task.uncancel()  # retract our cancellation request
+        if remaining == 0 and (exc_type is None or exc_type is asyncio.CancelledError):
+            raise ClientDisconnected
 
 
 class SSEResponse(Response):
     """Streams ``body`` as ``text/event-stream``, cancelling it if the client disconnects.
 
-    Unlike Starlette's StreamingResponse it always closes the body iterator, then awaits
-    ``on_close(disconnected)`` exactly once, even if the body never started (so the
-    caller can close the backend request and settle its bookkeeping in one place).
+    Unlike Starlette's StreamingResponse it iterates ``body`` in the request's own task,
+    always closes it, then awaits ``on_close(disconnected)`` exactly once, even if the
+    body never started (so the caller settles the request in one place).
     """
 
     media_type = "text/event-stream"
@@ -160,34 +179,27 @@ class SSEResponse(Response):
         self._on_close = on_close
         self.init_headers({"cache-control": "no-cache", **(headers or {})})
 
-    async def _pump(self, send: Send) -> None:
-        await send(
-            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
-        )
-        async for chunk in self.body_iterator:
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        pump = asyncio.ensure_future(self._pump(send))
-        watcher = asyncio.ensure_future(wait_for_disconnect(receive))
         disconnected = False
-        error: BaseException | None = None
         try:
-            await asyncio.wait((pump, watcher), return_when=asyncio.FIRST_COMPLETED)
+            async with DisconnectWatch(receive):
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": self.status_code,
+                        "headers": self.raw_headers,
+                    }
+                )
+                async for chunk in self.body_iterator:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except ClientDisconnected:
+            disconnected = True
+        except OSError:  # ASGI 2.4 servers raise on send() after a disconnect
+            disconnected = True
         finally:
-            watcher.cancel()
-            if not pump.done():
-                disconnected = True
-                pump.cancel()
-                await asyncio.wait((pump,))
-            error = None if pump.cancelled() else pump.exception()
-            if isinstance(error, OSError):  # ASGI 2.4 servers raise on send() after a disconnect
-                disconnected, error = True, None
             aclose = getattr(self.body_iterator, "aclose", None)
             if aclose is not None:
                 await aclose()
             if self._on_close is not None:
                 await self._on_close(disconnected)
-        if error is not None:
-            raise error

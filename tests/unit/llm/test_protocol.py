@@ -101,7 +101,14 @@ def test_completion_prompt_rejects_mixed_list() -> None:
 
 
 def test_envelope_round_trips_through_msgpack() -> None:
-    req = chat(max_tokens=3, stop=["x"], temperature=0.0, stream=True)
+    req = chat(
+        max_tokens=3,
+        stop=["x"],
+        temperature=1,
+        stream=True,
+        stream_options={"include_usage": True},
+        messages=[{"role": "user", "content": [{"type": "text", "text": "é"}]}],
+    )
     env = OpenAIRequestEnvelope.wrap(req, "rid-1")
     wire = msgpack.unpackb(msgpack.packb(env.to_wire()))
     back = OpenAIRequestEnvelope.from_wire(wire)

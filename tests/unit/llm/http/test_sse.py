@@ -1,9 +1,16 @@
 from __future__ import annotations
 
+import asyncio
+
 import msgspec
 import pytest
 
-from dynagraph.llm.http.sse import ChatStreamEncoder, CompletionStreamEncoder
+from dynagraph.llm.http.sse import (
+    ChatStreamEncoder,
+    ClientDisconnected,
+    CompletionStreamEncoder,
+    DisconnectWatch,
+)
 from dynagraph.llm.protocol import (
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -57,3 +64,51 @@ def test_completion_encoder_matches_the_chunk_model(include_usage: bool) -> None
             del want["usage"]
         assert decode_event(enc.chunk(text, "length")) == want
     assert decode_event(enc.usage(Usage.of(1, 2, None)))["usage"]["total_tokens"] == 3  # type: ignore[index]
+
+
+class Receiver:
+    """An ASGI receive() whose disconnect is triggered by the test."""
+
+    def __init__(self) -> None:
+        self.gone = asyncio.Event()
+
+    async def __call__(self) -> dict[str, str]:
+        await self.gone.wait()
+        return {"type": "http.disconnect"}
+
+
+async def test_disconnect_watch_without_disconnect() -> None:
+    receive = Receiver()
+    async with DisconnectWatch(receive) as watch:
+        await asyncio.sleep(0)
+    assert not watch.disconnected
+
+
+async def test_disconnect_watch_cancels_the_body() -> None:
+    receive = Receiver()
+    reached_end = False
+    with pytest.raises(ClientDisconnected):
+        async with DisconnectWatch(receive):
+            receive.gone.set()
+            await asyncio.sleep(5)
+            reached_end = True
+    assert not reached_end
+    task = asyncio.current_task()
+    assert task is not None and task.cancelling() == 0
+    await asyncio.sleep(0)  # no stray cancellation left behind
+
+
+async def test_disconnect_watch_lets_outside_cancellation_through() -> None:
+    receive = Receiver()
+    entered = asyncio.Event()
+
+    async def body() -> None:
+        async with DisconnectWatch(receive):
+            entered.set()
+            await asyncio.sleep(5)
+
+    task = asyncio.ensure_future(body())
+    await entered.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task

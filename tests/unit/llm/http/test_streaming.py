@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 import httpx
 import openai
@@ -10,6 +10,7 @@ from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
 from dynagraph.errors import EngineError
+from dynagraph.llm.protocol import TextChunk
 
 from .conftest import (
     MODEL,
@@ -185,3 +186,28 @@ async def test_concurrent_streams_are_independent(make_app: AppFactory) -> None:
     ids = {r.headers["x-request-id"] for r in responses}
     assert len(ids) == 16
     assert all(sse_events(r.text)[-1] == "[DONE]" for r in responses)
+
+
+class TaskRecordingBackend(FakeBackend):
+    """Checks that one task drives the backend iterator from start to end, with an
+    ``asyncio.timeout`` spanning the yields (it breaks if the iterator changes task)."""
+
+    def __init__(self) -> None:
+        super().__init__(chunks_for(["a", "b", "c"]))
+        self.tasks: list[asyncio.Task[object] | None] = []
+
+    async def generate(self, request: object, request_id: str) -> AsyncIterator[TextChunk]:  # type: ignore[override]
+        async with asyncio.timeout(10):
+            for chunk in self.chunks:
+                self.tasks.append(asyncio.current_task())
+                await asyncio.sleep(0)
+                yield chunk
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_backend_iterator_stays_in_one_task(make_app: AppFactory, stream: bool) -> None:
+    backend = TaskRecordingBackend()
+    async with client_for(make_app(backend)) as client:
+        resp = await client.post("/v1/chat/completions", json=chat_body(stream=stream))
+    assert resp.status_code == 200 and "error" not in resp.text
+    assert len(backend.tasks) == 3 and len(set(map(id, backend.tasks))) == 1
