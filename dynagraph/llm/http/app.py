@@ -191,19 +191,20 @@ class _Routes:
             async with DisconnectWatch(request.receive):
                 body = await self._collect(stream, parsed, request_id, state)
             state.status = SUCCESS
-            self._finish(state)
-            return Response(body, headers=headers, media_type="application/json")
+            return await self._settle(
+                stream, state, Response(body, headers=headers, media_type="application/json")
+            )
         except ClientDisconnected:
             log.info("request %s: client disconnected before the first token", request_id)
             self.metrics.disconnects.inc()
-            return await self._fail(stream, state, Response(status_code=499, headers=headers))
+            return await self._settle(stream, state, Response(status_code=499, headers=headers))
         except Exception as exc:
             failure = from_exception(exc)
             log.info(
                 "request %s failed with %d: %s", request_id, failure.status, failure.info.message
             )
             response = error_response(failure.status, failure.info, headers)
-            return await self._fail(stream, state, response)
+            return await self._settle(stream, state, response)
 
     def _parse(self, body: bytes, endpoint: Endpoint) -> OpenAIRequest:
         model_cls = ChatCompletionRequest if endpoint == "chat" else CompletionRequest
@@ -322,9 +323,10 @@ class _Routes:
         await _aclose(stream)
         self._finish(state)
 
-    async def _fail(
+    async def _settle(
         self, stream: AsyncIterator[TextChunk] | None, state: _RequestState, response: Response
     ) -> Response:
+        """Close the backend stream, record the request's metrics, return ``response``."""
         await _aclose(stream)
         self._finish(state)
         return response

@@ -43,6 +43,7 @@ async def test_chat_non_streamed(make_app: AppFactory) -> None:
     request, request_id = backend.calls[0]
     assert isinstance(request, ChatCompletionRequest) and request.max_tokens == 5
     assert request_id == rid
+    assert backend.closed.is_set()
 
 
 async def test_completion_non_streamed(make_app: AppFactory) -> None:
