@@ -15,6 +15,7 @@ import os
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import msgspec
 from pydantic import BaseModel, ValidationError
 
 from dynagraph.errors import InvalidRequest
@@ -115,24 +116,41 @@ class ComponentRuntime:
         return ComponentClient(tspec.name, endpoints)
 
 
+def _decoder(request_type: type | None, where: str) -> Callable[[Any], Any]:
+    """payload -> typed request; failures become InvalidRequest naming the field."""
+    if request_type is None:
+        return lambda payload: payload
+    if issubclass(request_type, BaseModel):
+        model: type[BaseModel] = request_type
+
+        def from_pydantic(payload: Any) -> Any:
+            try:
+                return model.model_validate(payload)
+            except ValidationError as exc:
+                err = exc.errors()[0]
+                loc = ".".join(str(p) for p in err["loc"])
+                raise InvalidRequest(f"{where}: {loc}: {err['msg']}", param=loc or None) from None
+
+        return from_pydantic
+
+    def from_struct(payload: Any) -> Any:
+        try:
+            return msgspec.convert(payload, request_type)
+        except msgspec.ValidationError as exc:
+            raise InvalidRequest(f"{where}: {exc}") from None
+
+    return from_struct
+
+
 def _handler(obj: Any, ep: EndpointSpec, component: str
              ) -> Callable[[Any, RequestContext], AsyncIterator[Any]]:
     method = getattr(obj, ep.method_name)
-    request_type: type[BaseModel] | None = ep.request_type
+    decode = _decoder(ep.request_type, f"{component}.{ep.name}")
 
     async def handle(payload: Any, ctx: RequestContext) -> AsyncIterator[Any]:
         token = set_request_id(ctx.request_id)
         try:
-            if request_type is not None:
-                try:
-                    request = request_type.model_validate(payload)
-                except ValidationError as exc:
-                    err = exc.errors()[0]
-                    loc = ".".join(str(p) for p in err["loc"])
-                    raise InvalidRequest(f"{component}.{ep.name}: {loc}: {err['msg']}",
-                                         param=loc or None) from None
-            else:
-                request = payload
+            request = decode(payload)
             async for item in method(request):
                 yield item
         finally:

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import msgspec
 from pydantic import BaseModel
 
 from dynagraph.errors import GraphError
@@ -29,7 +30,7 @@ class EndpointSpec:
 
     name: str
     method_name: str
-    request_type: type[BaseModel] | None  # None: the raw decoded payload is passed through
+    request_type: type | None  # a pydantic model or msgspec Struct; None: raw payload
 
 
 @dataclass(frozen=True)
@@ -73,8 +74,8 @@ def depends(target: type) -> Any:
 def endpoint(name: str | None = None) -> Callable[[F], F]:
     """Expose an async-generator method ``(self, request) -> AsyncIterator[...]``.
 
-    If ``request`` is annotated with a pydantic model, incoming payloads are validated
-    into it (a validation failure reaches the caller as ``InvalidRequest``).
+    If ``request`` is annotated with a pydantic model or a msgspec Struct, incoming
+    payloads are validated into it (a failure reaches the caller as ``InvalidRequest``).
     """
 
     def wrap(fn: F) -> F:
@@ -163,13 +164,15 @@ def _endpoints(cls: type) -> list[EndpointSpec]:
     return out
 
 
-def _request_type(cls: type, fn: Callable[..., Any]) -> type[BaseModel] | None:
+def _request_type(cls: type, fn: Callable[..., Any]) -> type | None:
     params = list(inspect.signature(fn).parameters.values())[1:]
     if len(params) != 1:
         raise GraphError(f"@endpoint {cls.__name__}.{fn.__name__} must take exactly one request argument")
     hints = _hints(fn)
     ann = hints.get(params[0].name)
-    return ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+    if isinstance(ann, type) and issubclass(ann, BaseModel | msgspec.Struct):
+        return ann
+    return None
 
 
 def _dependencies(cls: type) -> dict[str, type]:
