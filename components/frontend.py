@@ -91,7 +91,7 @@ class Frontend:
             await asyncio.sleep(0.01)
         port = self._server.servers[0].sockets[0].getsockname()[1]
         url = f"http://{self.config.host}:{port}"
-        self.runtime.metadata["url"] = url
+        self.runtime.metadata.update({"url": url, "model": self.config.served_model_name})
         log.info("OpenAI API at %s/v1 (model %s)", url, self.config.served_model_name)
 
     @async_on_shutdown

@@ -202,6 +202,13 @@ class Supervisor:
                 extra = f" url={url}" if url else ""
                 lines.append(f"  {name}[{rec.get('worker_index')}] pid={rec.get('pid')} "
                              f"rpc={rec.get('address')} metrics={rec.get('metrics')}{extra}")
+        http = [r for recs in records.values() for r in recs if r.get("url")]
+        if http:
+            url, model = http[0]["url"], http[0].get("model", "MODEL")
+            lines.append(f"try:\n  curl {url}/v1/models\n  curl {url}/v1/chat/completions "
+                         "-H 'Content-Type: application/json' -d '{\"model\": \"" + model + "\", "
+                         "\"messages\": [{\"role\": \"user\", \"content\": \"Hello!\"}], "
+                         "\"max_tokens\": 32}'")
         return "\n".join(lines)
 
     async def _watch_children(self, spec_path: str) -> None:
