@@ -220,10 +220,13 @@ async def detokenize_stream(
 ) -> AsyncGenerator[TextChunk, None]:
     """Drive ``detok`` over a worker's output stream (structs or their wire dicts).
 
-    Yields the text chunks; the last one has ``finish_reason`` set. Once the request is
-    finished (a stop string matched or ``max_tokens`` reached) ``outputs`` is closed at
-    once, which cancels the engine request behind it; it is also closed if the consumer
-    stops early. Raises :class:`EngineError` if ``outputs`` ends without a finish reason.
+    Yields the text chunks; the last one has ``finish_reason`` set. ``outputs`` is
+    closed before that last chunk is yielded (so a consumer that stops at the finish
+    reason leaves nothing open); an early finish (a stop string matched, or
+    ``max_tokens`` reached) thereby cancels the engine request. It is also closed if
+    the consumer closes this generator. Raises :class:`EngineError` if ``outputs`` ends
+    without a finish reason. Consumers should close this generator when they stop early
+    (``contextlib.aclosing``): ``async for`` alone does not.
     """
     try:
         async for item in outputs:
@@ -232,12 +235,19 @@ async def detokenize_stream(
             else:
                 output = LLMEngineOutput.from_wire(dict(item))
             chunk = detok.process(output)
+            if detok.finished:
+                await _aclose(outputs)
+                if chunk is not None:
+                    yield chunk
+                return
             if chunk is not None:
                 yield chunk
-            if detok.finished:
-                return
         raise EngineError("the engine stream ended without a finish reason")
     finally:
-        aclose = getattr(outputs, "aclose", None)
-        if aclose is not None:
-            await aclose()
+        await _aclose(outputs)
+
+
+async def _aclose(stream: AsyncIterator[Any]) -> None:
+    aclose = getattr(stream, "aclose", None)
+    if aclose is not None:
+        await aclose()

@@ -274,3 +274,14 @@ async def test_detokenize_stream_closed_by_consumer_closes_engine(tok: Tokenizer
     assert (await anext(stream)).text
     await stream.aclose()
     assert engine.closed
+
+
+async def test_detokenize_stream_closes_engine_before_the_final_chunk(tok: Tokenizer) -> None:
+    engine = EngineStream(one_token_each(ids_of(tok, "Hello world! The quick"), finish="length"))
+    stream = detokenize_stream(ResponseDetokenizer(tok, make_request(tok)), engine.gen())
+    async for chunk in stream:
+        if chunk.finish_reason is not None:
+            assert engine.closed  # already closed when the last chunk arrives
+            break
+    else:
+        raise AssertionError("no final chunk")
