@@ -312,7 +312,10 @@ class NatsPrefillQueue:
                 job = decode_job(msg.data)
             except (msgspec.DecodeError, msgspec.ValidationError) as e:
                 log.error("undecodable prefill job on %s terminated: %s", self.stream, e)
-                await NatsQueueItem(msg, _placeholder(), self.request_timeout).term()
+                try:
+                    await asyncio.wait_for(msg.term(), self.request_timeout)
+                except _NATS_ERRORS as err:
+                    log.warning("term of an undecodable job failed: %r", err)
                 continue
             item = NatsQueueItem(msg, job, self.request_timeout)
             if job.expired():
@@ -364,11 +367,3 @@ class NatsPrefillQueue:
         log.info("prefill queue reconnected to NATS %s", self.url)
         self._depth = None
 
-
-def _placeholder() -> RemotePrefillJob:
-    from dynagraph.runtime.queue.job import PrefillSampling, ReplyTarget
-
-    return RemotePrefillJob(
-        request_id="<undecodable>", prompt_token_ids=[], sampling=PrefillSampling(),
-        reply_to=ReplyTarget(component="", endpoint="", instance_id=0), enqueued_at=0.0, deadline=0.0,
-    )

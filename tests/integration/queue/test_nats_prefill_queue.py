@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import nats
 import pytest
 
 from dynagraph.runtime.infra import LocalService, free_port
@@ -238,3 +239,18 @@ async def test_killed_worker_process_job_is_redelivered(make_queue: QueueFactory
     item = await survivor.pull(4)
     assert item is not None and item.job.request_id == "victim" and item.delivery_count == 2
     await item.ack()
+
+
+async def test_undecodable_message_is_terminated(make_queue: QueueFactory) -> None:
+    q = make_queue()
+    await q.connect()
+    nc = await nats.connect(q.url)
+    try:
+        await nc.jetstream().publish(q.subject, b"\xc1 not msgpack")
+    finally:
+        await nc.close()
+    await q.enqueue(job("good"))
+    item = await q.pull(2)
+    assert item is not None and item.job.request_id == "good"
+    await item.ack()
+    await wait_stats(q, QueueStats(waiting=0, in_flight=0))
