@@ -58,6 +58,13 @@ class IncrementalDetokenizer:
         self._skip_special = skip_special_tokens
         self._request_id = request_id
         context = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
+        # A prompt that ends inside a character would make the stream re-emit prompt
+        # text; prime only with whole characters (the orphan bytes then decode on their
+        # own, as U+FFFD: the one case where it can appear).
+        while context and backend.decode(context, skip_special_tokens=skip_special_tokens).endswith(
+            "\ufffd"
+        ):
+            context.pop()
         self._stream = DecodeStream(ids=context or None, skip_special_tokens=skip_special_tokens)
 
     def step(self, token_id: int) -> str:

@@ -77,6 +77,15 @@ def test_prompt_context_keeps_leading_space(tok: Tokenizer) -> None:
     assert "".join(detok.step(i) for i in out) == " world"
 
 
+def test_prompt_ending_mid_character_is_not_re_emitted(tok: Tokenizer) -> None:
+    prompt = ids_of(tok, "🙂🚀👍🏽日本語")
+    out = ids_of(tok, " Café 🚀 日本")
+    for cut in range(1, len(prompt) + 1):
+        detok = IncrementalDetokenizer(tok.backend, prompt_token_ids=prompt[:cut])
+        text = "".join(detok.step(i) for i in out)
+        assert text.endswith(" Café 🚀 日本") and "🙂" not in text, (cut, text)
+
+
 def test_special_tokens_skipped_or_kept(tok: Tokenizer) -> None:
     eos = tok.eos_token_ids[0]
     assert IncrementalDetokenizer(tok.backend).step(eos) == ""
