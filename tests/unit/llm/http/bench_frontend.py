@@ -7,7 +7,8 @@ the frontend's capacity in chunks/s; TTFT is pure frontend + HTTP overhead.
 
     python -m tests.unit.llm.http.bench_frontend --streams 16 --tokens 256 --requests 64
 
-Not collected by pytest (no ``test_`` prefix).
+``server_cpu_us_per_chunk`` is the server process's CPU time per streamed chunk (includes
+the warm-up request). Not collected by pytest (no ``test_`` prefix).
 """
 
 from __future__ import annotations
@@ -138,7 +139,15 @@ def main() -> None:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.05)
+        import psutil
+
+        proc = psutil.Process(server.pid)
+        before = proc.cpu_times()
         result = asyncio.run(_drive(port, args.streams, args.requests, args.endpoint))
+        after = proc.cpu_times()
+        cpu = (after.user - before.user) + (after.system - before.system)
+        chunks = result["chunks_per_s"] * result["elapsed_s"]
+        result["server_cpu_us_per_chunk"] = cpu / chunks * 1e6
     finally:
         server.terminate()
         server.join(timeout=10)
