@@ -194,19 +194,19 @@ def train_tokenizer(paragraphs: Sequence[str], vocab_size: int) -> Any:
     return tok
 
 
-def _write_tokenizer(tok: Any, out: Path) -> None:
+def _write_tokenizer(tok: Any, out: Path, spec: BuildSpec) -> None:
     tok.save(str(out / "tokenizer.json"))
     special = {"bos_token": BOS, "eos_token": IM_END, "pad_token": PAD, "unk_token": None}
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         **special,
         "additional_special_tokens": [EOS_TEXT, IM_START],
-        "model_max_length": BuildSpec.max_position_embeddings,
+        "model_max_length": spec.max_position_embeddings,
         "clean_up_tokenization_spaces": False,
         "chat_template": CHAT_TEMPLATE,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    special_map = {k: v for k, v in special.items() if v is not None}
+    special_map: dict[str, Any] = {k: v for k, v in special.items() if v is not None}
     special_map["additional_special_tokens"] = [EOS_TEXT, IM_START]
     (out / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2) + "\n")
 
@@ -241,7 +241,7 @@ def _training_stream(tok: Any, paragraphs: Sequence[str], rng: random.Random) ->
 def _llama_config(spec: BuildSpec, vocab_size: int) -> Any:
     from transformers import LlamaConfig
 
-    return LlamaConfig(
+    settings: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -255,8 +255,9 @@ def _llama_config(spec: BuildSpec, vocab_size: int) -> Any:
         bos_token_id=0,
         eos_token_id=[3, 1],
         pad_token_id=4,
-        torch_dtype="float32",
+        dtype="float32",
     )
+    return LlamaConfig(**settings)
 
 
 def _train(model: Any, ids: list[int], spec: BuildSpec) -> dict[str, Any]:
@@ -313,7 +314,7 @@ def _build_into(tmp: Path, spec: BuildSpec) -> dict[str, Any]:
     paragraphs = local_corpus()
     corpus_sha = hashlib.sha256("\n".join(paragraphs).encode()).hexdigest()
     tok = train_tokenizer(paragraphs, spec.vocab_size)
-    _write_tokenizer(tok, tmp)
+    _write_tokenizer(tok, tmp, spec)
     ids = _training_stream(tok, paragraphs, rng)
 
     model = LlamaForCausalLM(_llama_config(spec, tok.get_vocab_size()))
