@@ -16,6 +16,7 @@ import zmq.asyncio
 from dynagraph.llm.router.events import (
     AllCleared,
     BlocksStored,
+    BlocksStoredWithTokens,
     KvEvent,
     apply_events,
     decode_frames,
@@ -48,7 +49,7 @@ async def _collect(sock: zmq.asyncio.Socket, until: Any, within: float = 30.0) -
         if left <= 0:
             raise AssertionError(f"KV events did not arrive within {within}s; got {events}")
         frames = await asyncio.wait_for(sock.recv_multipart(), timeout=left)
-        batch = decode_frames(frames)
+        batch = decode_frames(frames, with_tokens=True)
         assert batch.topic == "kv"
         events.extend(batch.events)
     return events
@@ -86,6 +87,7 @@ async def test_block_stored_hashes_match_ours(
     assert first.parent_hash is None and first.block_size == BLOCK_SIZE
     # An event's token ids chained from its parent give its hashes too.
     for ev in stored:
+        assert isinstance(ev, BlocksStoredWithTokens)
         assert len(ev.token_ids) == BLOCK_SIZE * len(ev.block_hashes)
         start = ours.index(ev.block_hashes[0])
         assert ev.parent_hash == (ours[start - 1] if start else None)

@@ -30,57 +30,33 @@ class KvEventDecodeError(DynagraphError):
     """A KV event frame or payload that is not what vLLM's publisher sends."""
 
 
-# --- wire shapes (mirror vLLM's msgspec structs; unknown fields are ignored) ---------
+# --- events (decoded straight from vLLM's msgpack; unknown fields are ignored) -------
 
 
-class _WireStored(msgspec.Struct, tag="BlockStored"):
-    block_hashes: list[int | bytes]
-    parent_block_hash: int | bytes | None = None
-    token_ids: list[int] = []
-    block_size: int = 0
-    lora_id: int | None = None
-    medium: str | None = None
-    lora_name: str | None = None
-    extra_keys: list[Any] | None = None
-    group_idx: int | None = None
-
-
-class _WireRemoved(msgspec.Struct, tag="BlockRemoved"):
-    block_hashes: list[int | bytes]
-    medium: str | None = None
-    group_idx: int | None = None
-
-
-class _WireCleared(msgspec.Struct, tag="AllBlocksCleared"):
-    pass
-
-
-class _WireBatch(msgspec.Struct, array_like=True):
-    ts: float
-    events: list[_WireStored | _WireRemoved | _WireCleared]
-    data_parallel_rank: int | None = None
-
-
-_decoder = msgspec.msgpack.Decoder(_WireBatch)
-
-
-# --- public events ---------------------------------------------------------------------
-
-
-class BlocksStored(msgspec.Struct, frozen=True):
+class BlocksStored(msgspec.Struct, tag="BlockStored", frozen=True, gc=False):
     """Full blocks a worker added to its prefix cache, in chain order."""
 
     block_hashes: list[int]
-    parent_hash: int | None
-    token_ids: list[int]
-    block_size: int
+    parent_hash: int | None = msgspec.field(default=None, name="parent_block_hash")
+    block_size: int = 0
     medium: str | None = None
     group_idx: int | None = None
     lora_name: str | None = None
-    has_extra_keys: bool = False
+    extra_keys: list[Any] | None = None
+
+    @property
+    def has_extra_keys(self) -> bool:
+        """True when LoRA / multimodal / salt keys went into the hashes."""
+        return any(k is not None for k in self.extra_keys or ())
 
 
-class BlocksRemoved(msgspec.Struct, frozen=True):
+class BlocksStoredWithTokens(BlocksStored, tag="BlockStored", frozen=True, gc=False):
+    """``BlocksStored`` plus the blocks' token ids (decoded only when asked for)."""
+
+    token_ids: list[int] = []
+
+
+class BlocksRemoved(msgspec.Struct, tag="BlockRemoved", frozen=True, gc=False):
     """Blocks a worker evicted."""
 
     block_hashes: list[int]
@@ -88,7 +64,7 @@ class BlocksRemoved(msgspec.Struct, frozen=True):
     group_idx: int | None = None
 
 
-class AllCleared(msgspec.Struct, frozen=True):
+class AllCleared(msgspec.Struct, tag="AllBlocksCleared", frozen=True, gc=False):
     """The worker dropped its whole prefix cache."""
 
 
@@ -105,46 +81,98 @@ class EventBatch(msgspec.Struct, frozen=True):
     events: list[KvEvent]
 
 
-def _ints(hashes: list[int | bytes]) -> list[int]:
-    if all(type(h) is int for h in hashes):
-        return hashes  # type: ignore[return-value]
-    return [external_hash(h) for h in hashes]
+class _Batch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[BlocksStored | BlocksRemoved | AllCleared]
+    data_parallel_rank: int | None = None
 
 
-def decode_payload(payload: bytes) -> tuple[float, int | None, list[KvEvent]]:
-    """Decode one msgpack ``KVEventBatch`` payload into ``(ts, dp_rank, events)``."""
-    try:
-        batch = _decoder.decode(payload)
-    except msgspec.DecodeError as exc:
-        raise KvEventDecodeError(f"not a vLLM KVEventBatch payload: {exc}") from exc
+class _BatchWithTokens(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[BlocksStoredWithTokens | BlocksRemoved | AllCleared]
+    data_parallel_rank: int | None = None
+
+
+# Fallback for VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0: hashes arrive as digest bytes.
+class _BytesStored(msgspec.Struct, tag="BlockStored", gc=False):
+    block_hashes: list[int | bytes]
+    parent_block_hash: int | bytes | None = None
+    token_ids: list[int] = []
+    block_size: int = 0
+    medium: str | None = None
+    group_idx: int | None = None
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+
+
+class _BytesRemoved(msgspec.Struct, tag="BlockRemoved", gc=False):
+    block_hashes: list[int | bytes]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+class _BytesBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[_BytesStored | _BytesRemoved | AllCleared]
+    data_parallel_rank: int | None = None
+
+
+_decoder = msgspec.msgpack.Decoder(_Batch)
+_decoder_tokens = msgspec.msgpack.Decoder(_BatchWithTokens)
+_decoder_bytes = msgspec.msgpack.Decoder(_BytesBatch)
+
+
+def _from_bytes_batch(batch: _BytesBatch, with_tokens: bool) -> list[KvEvent]:
     events: list[KvEvent] = []
     for ev in batch.events:
-        if isinstance(ev, _WireStored):
+        if isinstance(ev, _BytesStored):
             parent = ev.parent_block_hash
-            events.append(
-                BlocksStored(
-                    block_hashes=_ints(ev.block_hashes),
-                    parent_hash=None if parent is None else external_hash(parent),
-                    token_ids=ev.token_ids,
-                    block_size=ev.block_size,
-                    medium=ev.medium,
-                    group_idx=ev.group_idx,
-                    lora_name=ev.lora_name,
-                    has_extra_keys=any(k is not None for k in ev.extra_keys or ()),
-                )
+            common: dict[str, Any] = dict(
+                block_hashes=[external_hash(h) for h in ev.block_hashes],
+                parent_hash=None if parent is None else external_hash(parent),
+                block_size=ev.block_size,
+                medium=ev.medium,
+                group_idx=ev.group_idx,
+                lora_name=ev.lora_name,
+                extra_keys=ev.extra_keys,
             )
-        elif isinstance(ev, _WireRemoved):
+            if with_tokens:
+                events.append(BlocksStoredWithTokens(**common, token_ids=ev.token_ids))
+            else:
+                events.append(BlocksStored(**common))
+        elif isinstance(ev, _BytesRemoved):
             events.append(
                 BlocksRemoved(
-                    block_hashes=_ints(ev.block_hashes), medium=ev.medium, group_idx=ev.group_idx
+                    block_hashes=[external_hash(h) for h in ev.block_hashes],
+                    medium=ev.medium,
+                    group_idx=ev.group_idx,
                 )
             )
         else:
-            events.append(AllCleared())
-    return batch.ts, batch.data_parallel_rank, events
+            events.append(ev)
+    return events
 
 
-def decode_frames(frames: Sequence[bytes]) -> EventBatch:
+def decode_payload(
+    payload: bytes, *, with_tokens: bool = False
+) -> tuple[float, int | None, list[KvEvent]]:
+    """Decode one msgpack ``KVEventBatch`` payload into ``(ts, dp_rank, events)``.
+
+    Token ids are skipped (the index does not need them) unless ``with_tokens``, in
+    which case stored events are ``BlocksStoredWithTokens``.
+    """
+    try:
+        try:
+            batch = (_decoder_tokens if with_tokens else _decoder).decode(payload)
+            return batch.ts, batch.data_parallel_rank, batch.events  # type: ignore[return-value]
+        except msgspec.ValidationError:
+            raw = _decoder_bytes.decode(payload)
+            return raw.ts, raw.data_parallel_rank, _from_bytes_batch(raw, with_tokens)
+    except msgspec.DecodeError as exc:
+        raise KvEventDecodeError(f"not a vLLM KVEventBatch payload: {exc}") from exc
+
+
+def decode_frames(frames: Sequence[bytes], *, with_tokens: bool = False) -> EventBatch:
     """Decode the three ZMQ frames ``(topic, seq, payload)`` of one published batch."""
     if len(frames) != 3:
         raise KvEventDecodeError(f"expected 3 frames (topic, seq, payload), got {len(frames)}")
@@ -155,7 +183,7 @@ def decode_frames(frames: Sequence[bytes]) -> EventBatch:
         topic_str = bytes(topic).decode("utf-8")
     except UnicodeDecodeError as exc:
         raise KvEventDecodeError(f"topic frame is not utf-8: {exc}") from exc
-    ts, dp_rank, events = decode_payload(bytes(payload))
+    ts, dp_rank, events = decode_payload(bytes(payload), with_tokens=with_tokens)
     return EventBatch(
         topic=topic_str,
         seq=int.from_bytes(seq_bytes, "big", signed=True),

@@ -109,8 +109,22 @@ class PrefixIndex:
         pos = self._position(worker_id)
         bit = self._bits[pos]
         masks = self._masks
+        log = self._logs[pos]
+        if masks.keys().isdisjoint(block_hashes):  # the common case: all new, done in C
+            mark = len(log)
+            log.extend(block_hashes)  # first: it rejects a hash that is not a u64
+            before = len(masks)
+            masks.update(dict.fromkeys(block_hashes, bit))
+            added = len(masks) - before
+            if added == len(block_hashes):
+                self._counts[pos] += added
+                return
+            # a hash repeated within the call: undo, the loop below handles it
+            del log[mark:]
+            for h in block_hashes:
+                masks.pop(h, None)
         get = masks.get
-        append = self._logs[pos].append
+        append = log.append
         added = 0
         for h in block_hashes:
             m = get(h)

@@ -9,6 +9,7 @@ from dynagraph.llm.router.events import (
     AllCleared,
     BlocksRemoved,
     BlocksStored,
+    BlocksStoredWithTokens,
     KvEventDecodeError,
     apply_events,
     decode_frames,
@@ -91,23 +92,38 @@ def test_decode_frames_round_trip() -> None:
     got = decode_frames(frames(batch, seq=42))
     assert (got.topic, got.seq, got.ts, got.dp_rank) == ("kv", 42, 12.5, 0)
     assert got.events == [
-        BlocksStored([1, 2], None, list(range(64)), 32, "GPU", 0),
-        BlocksStored([3], 2, list(range(32)), 32, "GPU", 0),
+        BlocksStored([1, 2], None, 32, "GPU", 0),
+        BlocksStored([3], 2, 32, "GPU", 0),
         BlocksRemoved([1], "GPU", 0),
         AllCleared(),
     ]
+    with_tokens = decode_frames(frames(batch), with_tokens=True).events
+    assert with_tokens[1] == BlocksStoredWithTokens([3], 2, 32, "GPU", 0, token_ids=list(range(32)))
+    assert isinstance(with_tokens[1], BlocksStored)
 
 
 def test_bytes_hashes_become_64_bit_ints() -> None:
     digest = bytes(range(32))
     low64 = int.from_bytes(digest[-8:], "big")
-    _, dp_rank, events = decode_payload(
-        msgspec.msgpack.encode(KVEventBatch(ts=0.0, events=[stored([digest], parent=digest)]))
+    payload = msgspec.msgpack.encode(
+        KVEventBatch(
+            ts=0.0,
+            events=[
+                stored([digest], parent=digest),
+                BlockRemoved(block_hashes=[digest], medium="GPU"),
+                AllBlocksCleared(),
+            ],
+        )
     )
+    _, dp_rank, events = decode_payload(payload)
     assert dp_rank is None
-    ev = events[0]
-    assert isinstance(ev, BlocksStored)
-    assert ev.block_hashes == [low64] and ev.parent_hash == low64
+    assert events == [
+        BlocksStored([low64], low64, 32, "GPU", 0),
+        BlocksRemoved([low64], "GPU"),
+        AllCleared(),
+    ]
+    (ev, _, _) = decode_payload(payload, with_tokens=True)[2]
+    assert isinstance(ev, BlocksStoredWithTokens) and ev.token_ids == list(range(32))
 
 
 def test_extra_keys_and_lora_are_flagged() -> None:

@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from dynagraph.llm.router.index import IndexStats, PrefixIndex
 
 W1, W2, W3 = 0x7F3A_0000_0000_0001, 0x7F3A_0000_0000_0002, 0x7F3A_0000_0000_0003
@@ -33,6 +35,24 @@ def test_parent_chain_extension() -> None:
     idx.apply_stored(W1, 2, [3, 4])
     assert idx.find_matches([1, 2, 3, 4]) == {W1: 4}
     assert idx.num_blocks(W1) == 4
+
+
+def test_repeated_hash_within_one_call_counts_once() -> None:
+    idx = PrefixIndex()
+    idx.apply_stored(W1, None, [1, 2, 1])
+    assert idx.num_blocks(W1) == 2
+    assert sorted(idx._logs[idx._pos[W1]]) == [1, 2]
+    assert idx.find_matches([1, 2]) == {W1: 2}
+
+
+def test_a_hash_that_is_not_u64_is_rejected_without_damage() -> None:
+    idx = PrefixIndex()
+    idx.apply_stored(W1, None, [1])
+    for bad in ([5, -1], [5, 1 << 64]):
+        with pytest.raises(OverflowError):
+            idx.apply_stored(W1, None, bad)
+    assert idx.stats() == IndexStats(1, 1, 1)
+    assert idx.worker_blocks(W1) == {1}
 
 
 def test_stored_is_idempotent() -> None:
