@@ -16,7 +16,7 @@ import pytest
 from dynagraph.runtime.discovery import EtcdDiscovery
 from dynagraph.runtime.rpc import RpcClient
 from dynagraph.sdk import EndpointClient
-from tests.integration.sdk.conftest import ServeProcess
+from tests.support.serve import ServeProcess
 
 pytestmark = pytest.mark.integration
 
@@ -80,7 +80,7 @@ async def test_stream_10k_responses_and_both_workers_serve(
     run_serve: Callable[..., ServeProcess], config_file: Path, etcd_url: str
 ) -> None:
     sp = run_serve(TARGET, "-f", str(config_file))
-    await asyncio.to_thread(sp.wait_for_line, "ready in", 60)
+    await asyncio.to_thread(sp.wait_for_line, "dynamo serve: graph ", 60)
     async with Harness(etcd_url) as h:
         entry = await h.client("Entry")
         t0 = time.perf_counter()
@@ -105,14 +105,15 @@ async def test_sigkill_of_one_instance_is_forgotten_within_ttl(
     run_serve: Callable[..., ServeProcess], config_file: Path, etcd_url: str
 ) -> None:
     sp = run_serve(TARGET, "-f", str(config_file))
-    await asyncio.to_thread(sp.wait_for_line, "ready in", 60)
+    await asyncio.to_thread(sp.wait_for_line, "dynamo serve: graph ", 60)
     async with Harness(etcd_url) as h:
         entry = await h.client("Entry")
         sources = await h.client("Source")
         victim = sources.instances()[0]
         os.kill(victim.metadata["pid"], signal.SIGKILL)
         t0 = time.monotonic()
-        while pid_alive(victim.metadata["pid"]):  # a call racing the kill may break mid-stream
+        while pid_alive(victim.metadata["pid"]):  # noqa: ASYNC110 - polling another process
+            # a call racing the kill may break mid-stream
             await asyncio.sleep(0.005)
         ok = 0
         while victim.instance_id in sources.instance_ids():
@@ -129,7 +130,7 @@ async def test_restart_never_stops_the_graph_with_the_childs_exit_code(
     run_serve: Callable[..., ServeProcess], config_file: Path, etcd_url: str
 ) -> None:
     sp = run_serve(TARGET, "-f", str(config_file), "--restart", "never")
-    await asyncio.to_thread(sp.wait_for_line, "ready in", 60)
+    await asyncio.to_thread(sp.wait_for_line, "dynamo serve: graph ", 60)
     async with Harness(etcd_url) as h:
         pids = [r["pid"] for r in (await h.records()).values()]
         source = await h.client("Source")
@@ -148,7 +149,7 @@ async def test_crashed_child_is_restarted_with_backoff(
     run_serve: Callable[..., ServeProcess], config_file: Path, etcd_url: str
 ) -> None:
     sp = run_serve(TARGET, "-f", str(config_file))
-    await asyncio.to_thread(sp.wait_for_line, "ready in", 60)
+    await asyncio.to_thread(sp.wait_for_line, "dynamo serve: graph ", 60)
     async with Harness(etcd_url) as h:
         relay = await h.client("Relay")
         old = relay.instances()[0]
@@ -167,7 +168,7 @@ async def test_cancelled_stream_cancels_the_callee(
     run_serve: Callable[..., ServeProcess], config_file: Path, etcd_url: str
 ) -> None:
     sp = run_serve(TARGET, "-f", str(config_file))
-    await asyncio.to_thread(sp.wait_for_line, "ready in", 60)
+    await asyncio.to_thread(sp.wait_for_line, "dynamo serve: graph ", 60)
     async with Harness(etcd_url) as h:
         entry = await h.client("Entry")
         it = entry.round_robin({"n": 2, "hold": True}, headers={"x-request-id": "cancel-me"})
@@ -186,7 +187,7 @@ async def test_embedded_etcd_and_nats_are_started_and_stopped(
 ) -> None:
     env = {k: v for k, v in serve_env.items() if k not in ("ETCD_ENDPOINTS", "NATS_SERVER")}
     sp = run_serve(TARGET, "-f", str(config_file), env=env)
-    await asyncio.to_thread(sp.wait_for_line, "ready in", 60)
+    await asyncio.to_thread(sp.wait_for_line, "dynamo serve: graph ", 60)
     pids = [int(m) for m in re.findall(r"started (?:etcd|nats-server) pid=(\d+)", sp.output())]
     assert len(pids) == 2 and all(pid_alive(p) for p in pids)
     assert sp.stop() == 0
