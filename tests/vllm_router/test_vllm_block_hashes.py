@@ -20,6 +20,7 @@ from dynagraph.llm.router.events import (
     KvEvent,
     apply_events,
     decode_frames,
+    hashes_agree,
 )
 from dynagraph.llm.router.hashing import BlockHasher, seed_from_env
 from dynagraph.llm.router.index import PrefixIndex
@@ -85,6 +86,7 @@ async def test_block_stored_hashes_match_ours(
     assert _stored_hashes(stored) == ours
     first = stored[0]
     assert first.parent_hash is None and first.block_size == BLOCK_SIZE
+    assert isinstance(first, BlocksStoredWithTokens) and hashes_agree(hasher, first)
     # An event's token ids chained from its parent give its hashes too.
     for ev in stored:
         assert isinstance(ev, BlocksStoredWithTokens)

@@ -20,7 +20,7 @@ import msgspec
 
 from dynagraph.errors import DynagraphError
 
-from .hashing import external_hash
+from .hashing import BlockHasher, external_hash
 from .index import PrefixIndex
 
 DEFAULT_MEDIA: frozenset[str | None] = frozenset({"GPU", None})
@@ -218,3 +218,18 @@ def apply_events(
             index.apply_removed(worker_id, ev.block_hashes)
         applied += 1
     return applied
+
+
+def hashes_agree(hasher: BlockHasher, event: BlocksStoredWithTokens) -> bool | None:
+    """Whether ``hasher`` reproduces a root event's hashes from its token ids.
+
+    ``None`` when it cannot tell: the event continues a chain (its parent's full digest
+    is not on the wire) or carries LoRA / multimodal / salt keys. A Router can check the
+    first root event of each worker and refuse to route by a hash config that differs
+    from the engine's (block size, ``prefix_caching_hash_algo``, ``PYTHONHASHSEED``).
+    """
+    if event.parent_hash is not None or event.has_extra_keys or event.lora_name:
+        return None
+    if event.block_size != hasher.block_size:
+        return False
+    return hasher.block_hashes(event.token_ids) == event.block_hashes

@@ -14,7 +14,9 @@ from dynagraph.llm.router.events import (
     apply_events,
     decode_frames,
     decode_payload,
+    hashes_agree,
 )
+from dynagraph.llm.router.hashing import BlockHasher
 from dynagraph.llm.router.index import PrefixIndex
 
 # --- copies of vLLM 0.32's wire structs (vllm/distributed/kv_events.py) ---------------
@@ -175,3 +177,19 @@ def test_apply_events_filters_media_and_groups() -> None:
     assert idx.find_matches([9]) == {} and idx.find_matches([8]) == {}
     assert apply_events(idx, 5, [AllCleared()]) == 1
     assert idx.num_blocks(5) == 0
+
+
+def test_hashes_agree_checks_root_events_only() -> None:
+    hasher = BlockHasher(32)
+    tokens = list(range(1, 65))
+    hashes = hasher.block_hashes(tokens)
+    good = BlocksStoredWithTokens(hashes, None, 32, "GPU", 0, token_ids=tokens)
+    assert hashes_agree(hasher, good) is True
+    assert hashes_agree(BlockHasher(32, seed="0"), good) is False
+    assert hashes_agree(BlockHasher(64), good) is False
+    child = BlocksStoredWithTokens(hashes[1:], hashes[0], 32, "GPU", 0, token_ids=tokens[32:])
+    assert hashes_agree(hasher, child) is None
+    salted = BlocksStoredWithTokens(
+        hashes, None, 32, "GPU", 0, extra_keys=[("salt",), None], token_ids=tokens
+    )
+    assert hashes_agree(hasher, salted) is None
