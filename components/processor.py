@@ -8,6 +8,7 @@ reason, usage) and yields ``TextChunk``s to the Frontend.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from typing import Any, Literal
@@ -15,8 +16,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from components.worker import VllmWorker
+from dynagraph.llm.detokenize import detokenize_stream
 from dynagraph.llm.preprocess import Preprocessor
-from dynagraph.llm.protocol import LLMEngineOutput, OpenAIRequestEnvelope
+from dynagraph.llm.protocol import OpenAIRequestEnvelope
 from dynagraph.llm.tokenizer import Tokenizer
 from dynagraph.sdk import depends, endpoint, service
 
@@ -55,12 +57,6 @@ class Processor:
             stream = self.worker.random(pre.to_wire())
         else:
             stream = self.worker.generate(pre.to_wire())
-        try:
-            async for raw in stream:
-                chunk = detok.process(LLMEngineOutput.from_wire(raw))
-                if chunk is not None:
-                    yield chunk.to_wire()
-                if detok.finished:
-                    break
-        finally:
-            await stream.aclose()  # type: ignore[attr-defined]
+        async with contextlib.aclosing(detokenize_stream(detok, stream)) as chunks:
+            async for chunk in chunks:
+                yield chunk.to_wire()
