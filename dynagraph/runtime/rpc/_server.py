@@ -252,10 +252,13 @@ class _ServerConnection(asyncio.Protocol):
         self._ctx = None
 
     def cancel_stream(self) -> None:
-        """Cancel the running handler, if any (caller cancelled, left, or server stops)."""
-        if self.task is not None:
-            if self._ctx is not None:
-                self._ctx.cancelled = True
+        """Cancel the running handler, if any (caller cancelled, left, or server stops).
+
+        Only once: a CANCEL frame is usually followed by the caller closing the
+        connection, and a second cancel would interrupt the handler's own clean-up.
+        """
+        if self.task is not None and self._ctx is not None and not self._ctx.cancelled:
+            self._ctx.cancelled = True
             self.task.cancel()
 
     @staticmethod

@@ -176,7 +176,7 @@ async def test_cancelled_stream_cancels_the_callee(
         await it.aclose()  # type: ignore[attr-defined]
         deadline = time.monotonic() + 3
         while await h.disc.get("/demo/cancelled/cancel-me") is None:
-            assert time.monotonic() < deadline, "Source was not cancelled"
+            assert time.monotonic() < deadline, f"Source was not cancelled:\n{sp.output()[-4000:]}"
             await asyncio.sleep(0.02)
         await h.disc.delete("/demo/cancelled/cancel-me")
     assert sp.stop() == 0
