@@ -12,11 +12,13 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from dynagraph.runtime.rpc import REQUEST_ID_HEADER
+
+__all__ = ["REQUEST_ID_HEADER", "RuntimeContext", "current_request_id"]
+
 _request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "dynagraph_request_id", default=None
 )
-
-REQUEST_ID_HEADER = "x-request-id"
 
 
 def current_request_id() -> str | None:
