@@ -145,12 +145,13 @@ def vllm_payloads(events: list[Event], rng: random.Random) -> list[tuple[int, by
         batch: list[dict[str, Any]] = []
         while i < len(events) and len(batch) < EVENTS_PER_BATCH and events[i][0] == wid:
             _, parent, blocks = events[i]
+            tokens = BLOCK_SIZE * len(blocks)  # ids < 32k: 3 msgpack bytes each, like real ones
             batch.append(
                 {
                     "type": "BlockStored",
                     "block_hashes": blocks,
                     "parent_block_hash": parent,
-                    "token_ids": [rng.randrange(32_000) for _ in range(BLOCK_SIZE * len(blocks))],
+                    "token_ids": list(range(base := rng.randrange(30_000), base + tokens)),
                     "block_size": BLOCK_SIZE,
                     "lora_id": None,
                     "medium": "GPU",
@@ -178,45 +179,56 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def latency_us(
-    fn: Callable[[list[int]], Any], queries: list[list[int]], rounds: int = 3
-) -> dict[str, Any]:
-    """p50/p99 over ``queries``, ``rounds`` times; the median round is reported.
+def _percentiles(samples: list[float]) -> tuple[float, float, float]:
+    samples.sort()
+    return (
+        samples[len(samples) // 2],
+        samples[int(len(samples) * 0.99)],
+        statistics.fmean(samples),
+    )
 
-    The machine is shared, so one round can catch another job's burst; all rounds'
-    p99 values are kept in the result too.
+
+def latencies_us(
+    impls: dict[str, Callable[[list[int]], Any]],
+    queries: dict[str, list[list[int]]],
+    rounds: int = 3,
+) -> dict[str, dict[str, Any]]:
+    """find_matches p50/p99 per (implementation, query set).
+
+    Rounds interleave the implementations so that a burst from another job on the
+    shared machine hits both alike; the round with the median p99 is reported and
+    every round's p99 is kept.
     """
-    for q in queries[:200]:
-        fn(q)
-    gc.collect()
     clock = time.perf_counter_ns
-    per_round: list[tuple[float, float, float]] = []
+    per_round: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
+    for fn in impls.values():
+        for qs in queries.values():
+            for q in qs[:200]:
+                fn(q)
+    gc.collect()
     for _ in range(rounds):
-        samples: list[float] = []
-        for q in queries:
-            t0 = clock()
-            fn(q)
-            samples.append((clock() - t0) / 1000)
-        samples.sort()
-        per_round.append(
-            (
-                samples[len(samples) // 2],
-                samples[int(len(samples) * 0.99)],
-                statistics.fmean(samples),
-            )
-        )
-    p50, p99, mean = sorted(per_round, key=lambda r: r[1])[len(per_round) // 2]
-    return {
-        "p50_us": round(p50, 2),
-        "p99_us": round(p99, 2),
-        "mean_us": round(mean, 2),
-        "p99_us_rounds": [round(r[1], 2) for r in per_round],
-    }
+        for impl, fn in impls.items():
+            for qname, qs in queries.items():
+                samples: list[float] = []
+                for q in qs:
+                    t0 = clock()
+                    fn(q)
+                    samples.append((clock() - t0) / 1000)
+                per_round.setdefault((impl, qname), []).append(_percentiles(samples))
+    out: dict[str, dict[str, Any]] = {impl: {} for impl in impls}
+    for (impl, qname), rs in per_round.items():
+        p50, p99, mean = sorted(rs, key=lambda r: r[1])[len(rs) // 2]
+        out[impl][qname] = {
+            "p50_us": round(p50, 2),
+            "p99_us": round(p99, 2),
+            "mean_us": round(mean, 2),
+            "p99_us_rounds": [round(r[1], 2) for r in rs],
+        }
+    return out
 
 
-def bench_ours(cfg: Config, wl: Workload, events: list[Event], queries: dict[str, Any]) -> dict:
+def build_ours(cfg: Config, events: list[Event], res: dict[str, Any]) -> PrefixIndex:
     entries = sum(len(b) for _, _, b in events)
-    res: dict[str, Any] = {}
     gc.disable()
     try:
         idx = PrefixIndex()
@@ -230,13 +242,13 @@ def bench_ours(cfg: Config, wl: Workload, events: list[Event], queries: dict[str
     assert stats.entries == entries, (stats, entries)
     res["unique_blocks"] = stats.unique_blocks
     res["entries"] = stats.entries
-    for name, qs in queries.items():
-        res[name] = latency_us(idx.find_matches, qs)
-    sample = queries["all_share_128"][0]
-    assert len(idx.find_matches(sample)) == cfg.workers
-    assert all(v == LONG_PREFIX for v in idx.find_matches(sample).values())
-    del idx
+    return idx
 
+
+def ours_wire_and_memory(
+    cfg: Config, wl: Workload, events: list[Event], res: dict[str, Any]
+) -> None:
+    entries = sum(len(b) for _, _, b in events)
     payloads = vllm_payloads(events, random.Random(f"{cfg.seed}/tokens"))
     gc.disable()
     try:
@@ -261,14 +273,12 @@ def bench_ours(cfg: Config, wl: Workload, events: list[Event], queries: dict[str
     res["bytes_total"] = current
     res["bytes_per_entry"] = round(current / entries, 1)
     res["bytes_per_unique_block"] = round(current / idx.stats().unique_blocks, 1)
-    return res
 
 
-def bench_dynamo(cfg: Config, wl: Workload, events: list[Event], queries: dict[str, Any]) -> dict:
+def build_dynamo(events: list[Event], res: dict[str, Any]) -> Any:
     from dynamo._core import RadixTree  # benchmark-only dependency: ai-dynamo-runtime
 
     entries = sum(len(b) for _, _, b in events)
-    res: dict[str, Any] = {}
     payloads = [(wid, dynamo_json(i, p, b)) for i, (wid, p, b) in enumerate(events)]
     gc.collect()
     rss0 = rss_bytes()
@@ -279,12 +289,7 @@ def bench_dynamo(cfg: Config, wl: Workload, events: list[Event], queries: dict[s
     res["ingest_blocks_per_s"] = round(entries / (time.perf_counter() - t0))
     res["rss_growth_bytes"] = rss_bytes() - rss0
     res["bytes_per_entry"] = round(res["rss_growth_bytes"] / entries, 1)
-    del payloads
-    for name, qs in queries.items():
-        res[name] = latency_us(lambda q: tree.find_matches(q).scores, qs)
-    scores = tree.find_matches(queries["all_share_128"][0]).scores
-    assert len(scores) == cfg.workers and set(scores.values()) == {LONG_PREFIX}, scores
-    return res
+    return tree
 
 
 def write_results(cfg: Config, results: dict[str, Any]) -> None:
@@ -294,7 +299,9 @@ def write_results(cfg: Config, results: dict[str, Any]) -> None:
         "# Router prefix index vs Dynamo RadixTree",
         "",
         f"{results['when']}, {results['machine']}. **Provisional**: shared 2-core machine,",
-        "other jobs were running. Command: `python benchmarks/router_index.py`.",
+        "other jobs were running (load average before/after: "
+        f"{results['loadavg_before'][0]:.1f} / {results['loadavg_after'][0]:.1f}). "
+        "Command: `python benchmarks/router_index.py`.",
         "",
         f"Workload: {cfg.workers} workers x {cfg.blocks_per_worker:,} blocks "
         f"({results['entries']:,} (worker, block) entries); {cfg.shared_prefixes} shared "
@@ -387,15 +394,36 @@ def main(argv: list[str] | None = None) -> int:
     }
     # Dynamo first: its memory is read from RSS growth, which heap space that our runs
     # freed earlier would hide.
+    results["loadavg_before"] = os.getloadavg()
+    impls: dict[str, Callable[[list[int]], Any]] = {}
+    tree = None
     if not a.no_dynamo:
         try:
-            results["dynamo"] = bench_dynamo(cfg, wl, events, queries)
-            log.info("dynamo: %s", json.dumps(results["dynamo"]))
+            results["dynamo"] = {}
+            tree = build_dynamo(events, results["dynamo"])
+            find = tree.find_matches
+            impls["dynamo"] = lambda q: find(q).scores
         except ImportError as exc:
+            results.pop("dynamo")
             results["dynamo_error"] = f"ai-dynamo-runtime not importable: {exc}"
             log.warning("%s", results["dynamo_error"])
-    results["ours"] = bench_ours(cfg, wl, events, queries)
-    log.info("ours: %s", json.dumps(results["ours"]))
+    results["ours"] = {}
+    idx = build_ours(cfg, events, results["ours"])
+    impls["ours"] = idx.find_matches
+    sample = queries["all_share_128"][0]
+    assert idx.find_matches(sample) == {w: LONG_PREFIX for w in wl.worker_ids}
+    if tree is not None:
+        scores = tree.find_matches(sample).scores
+        assert scores == {(w, 0): LONG_PREFIX for w in wl.worker_ids}, scores
+    for impl, lat in latencies_us(impls, queries).items():
+        results[impl].update(lat)
+    del impls, idx, tree
+    gc.collect()
+    ours_wire_and_memory(cfg, wl, events, results["ours"])
+    results["loadavg_after"] = os.getloadavg()
+    for impl in ("dynamo", "ours"):
+        if impl in results:
+            log.info("%s: %s", impl, json.dumps(results[impl]))
     if not a.no_write:
         write_results(cfg, results)
     return 0
