@@ -3,17 +3,28 @@
 Takes tokenized requests (``PreprocessedRequest``) and streams ``LLMEngineOutput``
 token-id deltas. Closing the stream (the caller went away) aborts the request inside
 the engine. Its load is exported on the process's ``/metrics`` at scrape time.
+
+Router feeds (``components/kv_router.py`` subscribes to both):
+
+- ``kv_events``: with ``publish-kv-events: true`` vLLM's KV cache events reach a
+  ``KvEventRelay`` in this process (bound on 127.0.0.1, vLLM connects); the stream
+  is a snapshot of the worker's block set, then net deltas (``RelayBatch``).
+- ``load_metrics``: the engine's ``EngineLoad`` every ``load-metrics-interval`` s.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import AsyncIterator
 from typing import Any
 
+from dynagraph.errors import ConfigError, EngineError
 from dynagraph.llm.engines.base import SamplingSpec
 from dynagraph.llm.engines.vllm_engine import VllmEngine, VllmEngineArgs
+from dynagraph.llm.kv_relay import KvEventRelay, load_snapshots
 from dynagraph.llm.protocol import LLMEngineOutput, PreprocessedRequest
+from dynagraph.llm.router.hashing import BlockHasher, seed_from_env
 from dynagraph.llm.worker_metrics import register_engine_load
 from dynagraph.sdk import async_on_shutdown, async_on_start, endpoint, service
 
@@ -23,19 +34,36 @@ log = logging.getLogger(__name__)
 class VllmWorkerConfig(VllmEngineArgs):
     """The engine's settings (see ``VllmEngineArgs``); YAML keys in kebab-case."""
 
+    publish_kv_events: bool = False
+    """Turn on vLLM's KV events and serve them on ``kv_events`` (for a KV Router)."""
+    load_metrics_interval: float = 0.1
+    """Seconds between two ``load_metrics`` samples."""
+
 
 @service(dynamo={"namespace": "dynamo"}, resources={"cpu": 1}, workers=1)
 class VllmWorker:
     def __init__(self, config: VllmWorkerConfig) -> None:
         self.config = config
+        self.relay: KvEventRelay | None = None
+        if config.publish_kv_events:
+            if config.kv_events_endpoint:
+                raise ConfigError("set either publish-kv-events or kv-events-endpoint",
+                                  component="VllmWorker", key="publish-kv-events")
+            self.relay = KvEventRelay(hasher=BlockHasher(
+                config.block_size, _hash_algo(config), seed_from_env(os.environ)))
+            config = config.model_copy(update={"kv_events_endpoint": self.relay.bind()})
         self.engine = VllmEngine(config)
 
     @async_on_start
     async def start(self) -> None:
+        if self.relay is not None:
+            await self.relay.start()
         await self.engine.start()
         register_engine_load(self.engine.load, worker=f"{self.runtime.instance_id:x}")
         self.runtime.metadata.update(
-            {"block_size": self.config.block_size, "max_model_len": self.engine.max_model_len}
+            {"block_size": self.config.block_size, "max_model_len": self.engine.max_model_len,
+             "kv_events": self.relay is not None, "kv_hash_algo": _hash_algo(self.config),
+             "kv_hash_seed": seed_from_env(os.environ)}
         )
         log.info("engine ready in %.1fs (max_model_len %d)", self.engine.start_seconds,
                  self.engine.max_model_len)
@@ -43,6 +71,8 @@ class VllmWorker:
     @async_on_shutdown
     async def stop(self) -> None:
         await self.engine.shutdown()
+        if self.relay is not None:
+            await self.relay.close()
 
     @endpoint()
     async def generate(self, request: PreprocessedRequest) -> AsyncIterator[dict[str, Any]]:
@@ -55,6 +85,26 @@ class VllmWorker:
                 msg.cached_tokens = out.num_cached_tokens
                 first = False
             yield msg.to_wire()
+
+
+    @endpoint()
+    async def kv_events(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """A snapshot of this worker's cached blocks, then live deltas, until closed."""
+        if self.relay is None:
+            raise EngineError("this worker does not publish KV events (publish-kv-events)")
+        async with self.relay.subscribe() as sub:
+            async for batch in sub:
+                yield batch.to_wire()
+
+    @endpoint()
+    async def load_metrics(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """The engine's load (``EngineLoad``) now and every ``load-metrics-interval`` s."""
+        async for load in load_snapshots(self.engine.load, self.config.load_metrics_interval):
+            yield load.model_dump()
+
+
+def _hash_algo(config: VllmEngineArgs) -> Any:
+    return config.extra_engine_args.get("prefix_caching_hash_algo", "sha256")
 
 
 def to_sampling_spec(request: PreprocessedRequest) -> SamplingSpec:

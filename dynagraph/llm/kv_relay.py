@@ -22,6 +22,9 @@ queue is replaced by one fresh snapshot (``snapshot=True``), which supersedes ev
 delta it missed. A gap in vLLM's own sequence numbers (ZMQ dropped a batch) is
 logged and counted in ``RelayStats.gaps``; the block set may then be stale until the
 blocks concerned are stored or removed again (vLLM's replay socket is not used).
+
+The worker's other Router feed, ``load_snapshots``, lives here too: the engine's load
+sampled at a fixed rate (10 per second by default) for the ``load_metrics`` endpoint.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Iterable
+import time
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +41,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from dynagraph.llm.engines.base import EngineLoad
 from dynagraph.llm.router.events import (
     DEFAULT_MEDIA,
     AllCleared,
@@ -352,3 +357,23 @@ class KvEventRelay:
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
+
+
+async def load_snapshots(load: Callable[[], EngineLoad],
+                         interval: float = 0.1) -> AsyncIterator[EngineLoad]:
+    """``load()`` now and then every ``interval`` seconds, on a fixed schedule.
+
+    The schedule does not drift (a slow consumer delays, never bunches, the next
+    sample). Runs until the consumer stops iterating.
+    """
+    if interval <= 0:
+        raise ValueError(f"interval must be positive, got {interval}")
+    next_at = time.monotonic()
+    while True:
+        yield load()
+        next_at += interval
+        delay = next_at - time.monotonic()
+        if delay < 0:
+            next_at = time.monotonic()
+            delay = 0.0
+        await asyncio.sleep(delay)

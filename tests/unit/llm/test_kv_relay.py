@@ -185,3 +185,24 @@ async def test_receives_from_a_connecting_zmq_publisher_and_closes_streams() -> 
 def test_refuses_other_hosts() -> None:
     with pytest.raises(ValueError, match="127.0.0.1"):
         KvEventRelay(host="0.0.0.0")
+
+
+async def test_load_snapshots_tick_at_the_interval() -> None:
+    from dynagraph.llm.engines.base import EngineLoad
+    from dynagraph.llm.kv_relay import load_snapshots
+
+    calls = [0]
+
+    def load() -> EngineLoad:
+        calls[0] += 1
+        return EngineLoad(running=calls[0])
+
+    gen = load_snapshots(load, 0.01)
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    got = [(await gen.__anext__()).running for _ in range(6)]
+    await gen.aclose()
+    assert got == [1, 2, 3, 4, 5, 6]
+    assert loop.time() - began >= 0.045
+    with pytest.raises(ValueError):
+        await load_snapshots(load, 0).__anext__()
