@@ -85,6 +85,8 @@ DOCSTRING_MODULES = (
 )  # fmt: skip
 
 DEFAULT_OUT = Path("models/tiny-llama")
+BUILD_FORMAT = 2
+"""Bumped when the output changes; older builds are rebuilt by ``ensure_model``."""
 
 
 @dataclass(frozen=True)
@@ -255,7 +257,7 @@ def _llama_config(spec: BuildSpec, vocab_size: int) -> Any:
         bos_token_id=0,
         eos_token_id=[3, 1],
         pad_token_id=4,
-        dtype="float32",
+        dtype="bfloat16",
     )
     return LlamaConfig(**settings)
 
@@ -317,14 +319,16 @@ def _build_into(tmp: Path, spec: BuildSpec) -> dict[str, Any]:
     _write_tokenizer(tok, tmp, spec)
     ids = _training_stream(tok, paragraphs, rng)
 
-    model = LlamaForCausalLM(_llama_config(spec, tok.get_vocab_size()))
+    model: Any = LlamaForCausalLM(_llama_config(spec, tok.get_vocab_size()))
     stats: dict[str, Any] = {"steps_done": 0, "final_loss": None, "train_seconds_used": 0.0}
     if spec.train_seconds > 0 and spec.train_steps > 0:
         stats = _train(model, ids, spec)
-    model.save_pretrained(tmp, safe_serialization=True)
+    # bfloat16 on disk: vLLM serves it in bfloat16 on the CPU anyway (no downcast warnings).
+    model.to(torch.bfloat16).save_pretrained(tmp, safe_serialization=True)
     GenerationConfig(bos_token_id=0, eos_token_id=[3, 1], pad_token_id=4).save_pretrained(tmp)
 
     info = {
+        "format": BUILD_FORMAT,
         "spec": asdict(spec),
         "corpus_paragraphs": len(paragraphs),
         "corpus_sha256": corpus_sha,
@@ -340,8 +344,14 @@ def _build_into(tmp: Path, spec: BuildSpec) -> dict[str, Any]:
 
 
 def is_complete(path: Path) -> bool:
-    """True if ``path`` holds every file a finished build writes."""
-    return all((path / name).is_file() for name in REQUIRED_FILES)
+    """True if ``path`` holds every file a finished build of the current format writes."""
+    if not all((path / name).is_file() for name in REQUIRED_FILES):
+        return False
+    try:
+        info = json.loads((path / "dynagraph_build.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(info, dict) and info.get("format") == BUILD_FORMAT
 
 
 @contextlib.contextmanager

@@ -42,8 +42,16 @@ def vllm_test_env() -> Iterator[None]:
                 os.environ[key] = value
 
 
+@pytest.fixture(scope="session")
+def kv_events_endpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """``ipc://`` endpoint the session engine publishes its KV events on."""
+    return f"ipc://{tmp_path_factory.mktemp('kv')}/events.ipc"
+
+
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
-async def vllm_engine(tiny_model: Path, vllm_test_env: None) -> AsyncIterator[VllmEngine]:
+async def vllm_engine(
+    tiny_model: Path, vllm_test_env: None, kv_events_endpoint: str
+) -> AsyncIterator[VllmEngine]:
     """One started engine shared by the session's ``vllm`` tests (block size 32)."""
     engine = VllmEngine(
         VllmEngineArgs(
@@ -52,6 +60,8 @@ async def vllm_engine(tiny_model: Path, vllm_test_env: None) -> AsyncIterator[Vl
             max_model_len=8192,
             max_num_seqs=16,
             kv_cache_space_gib=1,
+            kv_events_endpoint=kv_events_endpoint,
+            kv_events_topic="test-engine",
         )
     )
     await engine.start()

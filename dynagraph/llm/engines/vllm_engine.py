@@ -6,10 +6,12 @@ then imports it. ``AsyncLLM`` always runs its engine core in a child process; wi
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` the model runs inside that child instead of a
 third process, which starts in a few seconds (good for tests).
 
-KV events: ``kv_events_endpoint`` is handed to vLLM's ZMQ publisher as is. An
-endpoint with a concrete host (``tcp://127.0.0.1:PORT``) makes vLLM *connect* its PUB
-socket there (bind your SUB socket first); ``ipc://PATH`` or ``tcp://*:PORT`` make
-it bind. Never use ``tcp://*`` here: it listens on every interface.
+KV events: ``kv_events_endpoint`` is handed to vLLM's ZMQ publisher as is. Use
+``ipc://PATH``: vLLM binds it and subscribers connect (local only). A
+``tcp://HOST:PORT`` endpoint makes vLLM *connect* its PUB socket to a SUB you bound;
+with vLLM 0.32 here that lost every event in our tests, so it is not recommended.
+Wildcard hosts (``tcp://*``) are refused: they listen on every interface. Each batch
+is three frames: topic, 8-byte big-endian sequence number, msgpack payload.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import warnings
 from collections.abc import AsyncIterator
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from dynagraph.errors import ConfigError, EngineError, InvalidRequest, PromptTooLong
 from dynagraph.llm.engines.base import EngineLoad, EngineOutput, FinishReason, SamplingSpec
@@ -75,6 +77,16 @@ class VllmEngineArgs(BaseModel):
     """Also run vLLM's own stat loggers (periodic log lines, ``vllm:*`` Prometheus metrics)."""
     extra_engine_args: dict[str, Any] = Field(default_factory=dict)
     """Any other ``vllm.AsyncEngineArgs`` field, passed through unchecked."""
+
+    @field_validator("kv_events_endpoint", "kv_events_replay_endpoint")
+    @classmethod
+    def _local_only(cls, value: str | None) -> str | None:
+        if value is not None and ("*" in value or "0.0.0.0" in value or "::" in value):
+            raise ValueError(
+                f"{value!r} would listen on every interface; use ipc://PATH "
+                "(vLLM binds it) or tcp://127.0.0.1:PORT"
+            )
+        return value
 
 
 class _LoadTracker:
@@ -339,11 +351,16 @@ class VllmEngine:
         from vllm.exceptions import VLLMClientError
         from vllm.inputs import TokensPrompt
 
-        params = _to_sampling_params(sampling, kv_transfer_params)
-        prompt = TokensPrompt(prompt_token_ids=list(prompt_token_ids))
         if request_id in self._in_flight:
             raise InvalidRequest(f"request id {request_id!r} is already in flight")
-        stream = self._llm.generate(prompt, params, request_id)
+        params = _to_sampling_params(sampling, kv_transfer_params)
+        try:
+            (engine_input,) = self._llm.renderer.render_cmpl(
+                [TokensPrompt(prompt_token_ids=list(prompt_token_ids))]
+            )
+        except VLLMClientError as exc:
+            raise InvalidRequest(str(exc)) from exc
+        stream = self._llm.generate(engine_input, params, request_id)
         self._in_flight.add(request_id)
         try:
             async for out in stream:

@@ -131,3 +131,16 @@ async def test_generate_before_start_fails() -> None:
             pass
     assert engine.load().running == 0
     await engine.shutdown()  # no-op when never started
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://*:5557", "tcp://0.0.0.0:5557", "tcp://[::]:5557"])
+def test_kv_events_endpoint_must_not_listen_everywhere(endpoint: str) -> None:
+    with pytest.raises(ValidationError, match="every interface"):
+        VllmEngineArgs(model="m", kv_events_endpoint=endpoint)
+
+
+def test_kv_events_endpoint_local_ok() -> None:
+    a = VllmEngineArgs.model_validate(
+        {"model": "m", "kv-events-endpoint": "ipc:///tmp/x.ipc", "kv-events-topic": "w1"}
+    )
+    assert a.kv_events_endpoint == "ipc:///tmp/x.ipc" and a.kv_events_topic == "w1"
