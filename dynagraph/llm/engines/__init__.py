@@ -2,6 +2,7 @@
 
 Importing this package does not import vLLM; use
 ``from dynagraph.llm.engines.vllm_engine import VllmEngine, VllmEngineArgs``.
+:class:`EchoEngine` is the in-memory engine for unit tests.
 """
 
 from __future__ import annotations
@@ -13,5 +14,6 @@ from dynagraph.llm.engines.base import (
     FinishReason,
     SamplingSpec,
 )
+from dynagraph.llm.engines.echo import EchoEngine
 
-__all__ = ["Engine", "EngineLoad", "EngineOutput", "FinishReason", "SamplingSpec"]
+__all__ = ["EchoEngine", "Engine", "EngineLoad", "EngineOutput", "FinishReason", "SamplingSpec"]
