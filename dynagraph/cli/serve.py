@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from dynagraph.observability.graph_targets import GraphTargets
 from dynagraph.runtime.infra import LocalService, start_etcd, start_nats
 from dynagraph.sdk._config import ComponentConfig
 from dynagraph.sdk._graph import Graph
@@ -83,12 +84,14 @@ class Supervisor:
             loop.add_signal_handler(sig, self._on_signal, sig)
         t0 = time.monotonic()
         discovery = None
+        targets: GraphTargets | None = None
         try:
             env = self._infra_env()
             from dynagraph.runtime.discovery import discovery_from_env
 
             discovery = discovery_from_env(env)
             await discovery.start()
+            targets = await self._start_targets(discovery, env)
             spec_path = self._write_spec(env)
             for cls in self.graph.nodes:
                 name = spec_of(cls).name
@@ -102,12 +105,18 @@ class Supervisor:
             if await self._wait_ready(discovery, t0):
                 print(self._ready_banner(await self._records(discovery), time.monotonic() - t0),
                       flush=True)
+                if targets is not None:
+                    print(f"  prometheus targets: {targets.path} "
+                          f"(bash scripts/prometheus.sh {targets.path})", flush=True)
                 await self._watch_children(spec_path)
             else:
                 self.exit_code = 1
         finally:
             t1 = time.monotonic()
             await self._stop_children()
+            if targets is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(targets.close(), 3)
             if discovery is not None:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(discovery.close(), 3)
@@ -121,6 +130,18 @@ class Supervisor:
         if not self.stopping.is_set():
             log.info("received %s, stopping the graph", signal.Signals(sig).name)
         self.stopping.set()
+
+    async def _start_targets(self, discovery: Any, env: dict[str, str]) -> GraphTargets | None:
+        """Prometheus file_sd targets for this graph (never fatal: logs and goes on)."""
+        monitor = next((s.extra["monitor_url"] for s in self.services
+                        if "monitor_url" in s.extra), None)
+        try:
+            return await GraphTargets.start(
+                discovery, {spec_of(c).namespace for c in self.graph.nodes}, env, self._tmp.name,
+                nats_monitor_url=monitor)
+        except Exception as exc:
+            log.warning("no Prometheus targets file: %s", exc)
+            return None
 
     def _infra_env(self) -> dict[str, str]:
         env: dict[str, str] = {}

@@ -1,0 +1,181 @@
+"""Every metric a dynagraph process exports: name, type, labels, who exports it.
+
+One owner for metric names. Dashboards (``deploy/grafana/dashboards``) may only use
+names listed here or infrastructure names from ``INFRA_METRICS``; a unit test checks
+that. Names follow Prometheus conventions (counters end in ``_total``, base units:
+seconds, bytes, ratios 0-1) and take Dynamo's or vLLM's name where one exists for
+the same number. ``name`` is the family name as Prometheus stores it (with
+``_total`` for counters; histograms also have ``_bucket``, ``_sum``, ``_count``).
+
+``component`` is the process that exports the metric. ``graph`` is the first graph
+in which that process exports it (``agg``, ``agg_router``, ``disagg``); the
+dashboard test only requires data from a panel whose graph is being tested.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Kind = Literal["counter", "gauge", "histogram"]
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    name: str
+    kind: Kind
+    help: str
+    labels: tuple[str, ...]
+    component: str
+    graph: str
+
+    def series_names(self) -> tuple[str, ...]:
+        """The names Prometheus stores for this family."""
+        if self.kind == "histogram":
+            return (f"{self.name}_bucket", f"{self.name}_sum", f"{self.name}_count")
+        return (self.name,)
+
+
+def _m(name: str, kind: Kind, help: str, labels: tuple[str, ...], component: str,
+       graph: str = "agg") -> MetricSpec:
+    return MetricSpec(name, kind, help, labels, component, graph)
+
+
+FRONTEND = "Frontend"
+PROCESSOR = "Processor"
+ROUTER = "Router"
+WORKER = "VllmWorker"
+PREFILL = "PrefillWorker"
+
+CATALOG: tuple[MetricSpec, ...] = (
+    # Frontend (dynagraph/llm/http/metrics.py): Dynamo's dynamo_frontend_* names.
+    _m("dynamo_frontend_requests_total", "counter", "Requests handled by the HTTP frontend",
+       ("model", "endpoint", "request_type", "status"), FRONTEND),
+    _m("dynamo_frontend_inflight_requests", "gauge", "Requests currently being processed",
+       ("model",), FRONTEND),
+    _m("dynamo_frontend_time_to_first_token_seconds", "histogram",
+       "Time from request arrival to the first generated text", ("model",), FRONTEND),
+    _m("dynamo_frontend_inter_token_latency_seconds", "histogram",
+       "Time between generated tokens", ("model",), FRONTEND),
+    _m("dynamo_frontend_request_duration_seconds", "histogram",
+       "Time from request arrival to the end of the response", ("model",), FRONTEND),
+    _m("dynamo_frontend_input_sequence_tokens", "histogram", "Prompt length in tokens",
+       ("model",), FRONTEND),
+    _m("dynamo_frontend_output_sequence_tokens", "histogram", "Generated length in tokens",
+       ("model",), FRONTEND),
+    _m("dynamo_frontend_client_disconnects_total", "counter",
+       "Requests whose client disconnected before the response was complete",
+       ("model",), FRONTEND),
+    # Processor (dynagraph/observability/processor_metrics.py).
+    _m("dynamo_processor_queue_seconds", "histogram",
+       "Time from a request's arrival at the Processor to its dispatch to a worker, "
+       "tokenization excluded (worker choice, waiting for a worker)", (), PROCESSOR),
+    _m("dynamo_processor_tokenize_seconds", "histogram",
+       "Time to apply the chat template and tokenize one request", (), PROCESSOR),
+    _m("dynamo_processor_detokenize_seconds", "histogram",
+       "Time spent detokenizing one request's output, summed over its chunks", (), PROCESSOR),
+    # Decode worker load (dynagraph/llm/worker_metrics.py), vLLM's meanings.
+    _m("dynamo_worker_requests_running", "gauge", "Requests being processed by the engine.",
+       ("worker",), WORKER),
+    _m("dynamo_worker_requests_waiting", "gauge", "Requests queued in the engine.",
+       ("worker",), WORKER),
+    _m("dynamo_worker_kv_blocks_used", "gauge", "KV cache blocks in use.", ("worker",), WORKER),
+    _m("dynamo_worker_kv_blocks_total", "gauge", "KV cache blocks in the engine.",
+       ("worker",), WORKER),
+    _m("dynamo_worker_kv_cache_usage_ratio", "gauge", "Fraction of KV cache blocks in use (0-1).",
+       ("worker",), WORKER),
+    _m("dynamo_worker_prefix_cache_queries_total", "counter",
+       "Prompt tokens looked up in the prefix cache.", ("worker",), WORKER),
+    _m("dynamo_worker_prefix_cache_hits_total", "counter",
+       "Prompt tokens found in the prefix cache.", ("worker",), WORKER),
+    # Router (dynagraph/observability/router_metrics.py).
+    _m("dynamo_router_decisions_total", "counter",
+       "Routing decisions, by router mode and chosen worker", ("mode", "worker"), ROUTER,
+       "agg_router"),
+    _m("dynamo_router_prompt_blocks_total", "counter",
+       "Full KV blocks in the prompts routed", (), ROUTER, "agg_router"),
+    _m("dynamo_router_overlap_blocks_total", "counter",
+       "Prompt blocks already cached on the chosen worker (predicted prefix hits)",
+       ("worker",), ROUTER, "agg_router"),
+    _m("dynamo_router_overlap_ratio", "histogram",
+       "Per decision: overlap blocks of the chosen worker / prompt blocks (0-1)",
+       (), ROUTER, "agg_router"),
+    _m("dynamo_router_decision_seconds", "histogram",
+       "Time to choose a worker for one request (index lookup + cost)", (), ROUTER,
+       "agg_router"),
+    _m("dynamo_router_index_blocks", "gauge", "Blocks in the router's prefix index, per worker",
+       ("worker",), ROUTER, "agg_router"),
+    _m("dynamo_router_kv_events_applied_total", "counter",
+       "KV cache event batches applied to the index, per worker and kind "
+       "(stored, removed, cleared)", ("worker", "kind"), ROUTER, "agg_router"),
+    # Disaggregation, exported by decode workers (dynagraph/observability/disagg_metrics.py).
+    _m("dynamo_worker_prefills_total", "counter",
+       "Prefills by where they ran: local (in this engine) or remote (prefill worker)",
+       ("worker", "location"), WORKER, "disagg"),
+    _m("dynamo_worker_kv_transfers_total", "counter",
+       "KV cache transfers from prefill workers into this decode worker", ("worker",), WORKER,
+       "disagg"),
+    _m("dynamo_worker_kv_transfer_bytes_total", "counter",
+       "Bytes of KV cache received from prefill workers", ("worker",), WORKER, "disagg"),
+    _m("dynamo_worker_kv_transfer_seconds", "histogram",
+       "Time of one KV transfer, from remote prefill done to KV in place", ("worker",), WORKER,
+       "disagg"),
+    # Prefill queue (dynagraph/observability/disagg_metrics.py).
+    _m("dynamo_prefill_queue_depth", "gauge",
+       "Jobs waiting in the prefill queue for a first delivery (as seen by this process)",
+       (), WORKER, "disagg"),
+    _m("dynamo_prefill_queue_wait_seconds", "histogram",
+       "Time from enqueue to a prefill worker pulling the job", (), PREFILL, "disagg"),
+    _m("dynamo_prefill_queue_redeliveries_total", "counter",
+       "Prefill jobs pulled again after a worker failed to ack them", (), PREFILL, "disagg"),
+)
+
+INFRA_METRICS: dict[str, str] = {
+    # etcd serves these on its client URL at /metrics.
+    "etcd_server_has_leader": "etcd",
+    "etcd_mvcc_db_total_size_in_bytes": "etcd",
+    "etcd_debugging_mvcc_keys_total": "etcd",
+    "etcd_server_proposals_committed_total": "etcd",
+    "etcd_disk_wal_fsync_duration_seconds_bucket": "etcd",
+    "etcd_network_client_grpc_received_bytes_total": "etcd",
+    "grpc_server_handled_total": "etcd",
+    # The NATS exporter: nats-io/prometheus-nats-exporter names (compose) and
+    # dynagraph.observability.nats_exporter, which emits the same names (local runs).
+    "gnatsd_varz_connections": "nats",
+    "gnatsd_varz_in_msgs": "nats",
+    "gnatsd_varz_out_msgs": "nats",
+    "gnatsd_varz_in_bytes": "nats",
+    "gnatsd_varz_out_bytes": "nats",
+    "gnatsd_varz_mem": "nats",
+    "gnatsd_varz_slow_consumers": "nats",
+    "jetstream_stream_total_messages": "nats",
+    "jetstream_consumer_num_pending": "nats",
+    "jetstream_consumer_num_ack_pending": "nats",
+    "jetstream_consumer_num_redelivered": "nats",
+    # Prometheus itself.
+    "up": "prometheus",
+    "scrape_duration_seconds": "prometheus",
+}
+
+PENDING_RENAMES: dict[str, str] = {
+    # A gauge must not end in _total (promtool: 'non-counter metrics should not have
+    # "_total" suffix'). Dynamo calls this kv_total_blocks. Rename it in
+    # dynagraph/llm/worker_metrics.py, here and in the dashboards, then drop this entry.
+    "dynamo_worker_kv_blocks_total": "dynamo_worker_kv_total_blocks",
+}
+"""Catalogued names known to break a convention, and the name each should take."""
+
+BY_NAME: dict[str, MetricSpec] = {m.name: m for m in CATALOG}
+
+
+def series_index() -> dict[str, MetricSpec]:
+    """Every stored series name (``_bucket``/``_sum``/``_count`` included) -> its family."""
+    return {s: m for m in CATALOG for s in (m.name, *m.series_names())}
+
+
+def spec(name: str) -> MetricSpec:
+    """The family ``name`` belongs to (a series name is accepted); KeyError if unknown."""
+    found = series_index().get(name)
+    if found is None:
+        raise KeyError(f"metric {name!r} is not in dynagraph.observability.catalog")
+    return found

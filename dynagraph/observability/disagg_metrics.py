@@ -1,0 +1,62 @@
+"""Disaggregation metrics: local vs remote prefills, KV transfers, the prefill queue.
+
+Decode worker (one object per process)::
+
+    self.disagg_metrics = DecodeMetrics(worker=f"{self.runtime.instance_id:x}")
+    self.disagg_metrics.prefill("local")           # or "remote", once per request
+    self.disagg_metrics.kv_transfer(nbytes, seconds)   # per KV transfer received
+    self.disagg_metrics.queue_depth(await queue.depth())  # whenever it is read
+
+Prefill worker, right after ``item = await queue.pull(...)`` returned an item::
+
+    self.queue_metrics = PrefillQueueMetrics()
+    self.queue_metrics.pulled(item.job.enqueued_at, item.delivery_count)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Literal
+
+from prometheus_client import REGISTRY, CollectorRegistry
+
+from dynagraph.observability._build import counter, gauge, histogram
+
+Location = Literal["local", "remote"]
+
+
+class DecodeMetrics:
+    def __init__(self, worker: str, registry: CollectorRegistry = REGISTRY) -> None:
+        self.worker = worker
+        prefills = counter("dynamo_worker_prefills_total", registry)
+        self._prefills = {loc: prefills.labels(worker, loc) for loc in ("local", "remote")}
+        self._transfers = counter("dynamo_worker_kv_transfers_total", registry).labels(worker)
+        self._bytes = counter("dynamo_worker_kv_transfer_bytes_total", registry).labels(worker)
+        self._seconds = histogram("dynamo_worker_kv_transfer_seconds", registry).labels(worker)
+        self._depth = gauge("dynamo_prefill_queue_depth", registry)
+
+    def prefill(self, location: Location) -> None:
+        self._prefills[location].inc()
+
+    def kv_transfer(self, nbytes: int, seconds: float) -> None:
+        self._transfers.inc()
+        self._bytes.inc(nbytes)
+        self._seconds.observe(seconds)
+
+    def queue_depth(self, depth: int) -> None:
+        self._depth.set(depth)
+
+
+class PrefillQueueMetrics:
+    def __init__(self, registry: CollectorRegistry = REGISTRY,
+                 clock: Callable[[], float] = time.time) -> None:
+        self._wait = histogram("dynamo_prefill_queue_wait_seconds", registry)
+        self._redeliveries = counter("dynamo_prefill_queue_redeliveries_total", registry)
+        self._clock = clock
+
+    def pulled(self, enqueued_at: float, delivery_count: int) -> None:
+        """A job was pulled: ``enqueued_at`` is its wall-clock stamp (``time.time()``)."""
+        self._wait.observe(max(self._clock() - enqueued_at, 0.0))
+        if delivery_count > 1:
+            self._redeliveries.inc()
