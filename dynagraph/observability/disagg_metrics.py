@@ -1,9 +1,11 @@
-"""Disaggregation metrics: local vs remote prefills, KV transfers, the prefill queue.
+"""Disaggregation metrics: KV transfers and the prefill queue.
+
+(Local vs remote prefills are ``dynamo_worker_prefill_requests_total{where, reason}``,
+exported by ``dynagraph.llm.remote_prefill.PrefillMetrics``.)
 
 Decode worker (one object per process)::
 
     self.disagg_metrics = DecodeMetrics(worker=f"{self.runtime.instance_id:x}")
-    self.disagg_metrics.prefill("local")           # or "remote", once per request
     self.disagg_metrics.kv_transfer(nbytes, seconds)   # per KV transfer received
     self.disagg_metrics.queue_depth(await queue.depth())  # whenever it is read
 
@@ -17,27 +19,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Literal
 
 from prometheus_client import REGISTRY, CollectorRegistry
 
 from dynagraph.observability._build import counter, gauge, histogram
 
-Location = Literal["local", "remote"]
-
 
 class DecodeMetrics:
     def __init__(self, worker: str, registry: CollectorRegistry = REGISTRY) -> None:
         self.worker = worker
-        prefills = counter("dynamo_worker_prefills_total", registry)
-        self._prefills = {loc: prefills.labels(worker, loc) for loc in ("local", "remote")}
         self._transfers = counter("dynamo_worker_kv_transfers_total", registry).labels(worker)
         self._bytes = counter("dynamo_worker_kv_transfer_bytes_total", registry).labels(worker)
         self._seconds = histogram("dynamo_worker_kv_transfer_seconds", registry).labels(worker)
         self._depth = gauge("dynamo_prefill_queue_depth", registry)
-
-    def prefill(self, location: Location) -> None:
-        self._prefills[location].inc()
 
     def kv_transfer(self, nbytes: int, seconds: float) -> None:
         self._transfers.inc()
