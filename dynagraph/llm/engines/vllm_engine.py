@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import threading
 import time
 import warnings
 from collections.abc import AsyncIterator
@@ -29,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from dynagraph.errors import ConfigError, EngineError, InvalidRequest, PromptTooLong
 from dynagraph.llm.engines.base import EngineLoad, EngineOutput, FinishReason, SamplingSpec
+from dynagraph.llm.engines.vllm_stats import LoadTracker, make_stat_logger_factory
 
 log = logging.getLogger(__name__)
 
@@ -89,36 +89,6 @@ class VllmEngineArgs(BaseModel):
         return value
 
 
-class _LoadTracker:
-    """Latest scheduler numbers, written by vLLM's stat logger hook, read by ``load()``."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._load = EngineLoad()
-
-    def update(
-        self, *, running: int, waiting: int, kv_usage: float, queries: int, hits: int, total: int
-    ) -> None:
-        with self._lock:
-            prev = self._load
-            self._load = EngineLoad(
-                running=running,
-                waiting=waiting,
-                kv_blocks_used=round(kv_usage * total),
-                kv_blocks_total=total,
-                prefix_cache_queries=prev.prefix_cache_queries + queries,
-                prefix_cache_hits=prev.prefix_cache_hits + hits,
-            )
-
-    def set_total(self, total: int) -> None:
-        with self._lock:
-            self._load = self._load.model_copy(update={"kv_blocks_total": total})
-
-    def get(self) -> EngineLoad:
-        with self._lock:
-            return self._load
-
-
 def _apply_env(args: VllmEngineArgs) -> None:
     """Set what vLLM reads from the environment. Must run before vLLM is imported."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -130,43 +100,6 @@ def _apply_env(args: VllmEngineArgs) -> None:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = args.cpu_threads_bind
     if args.cpu_reserved_cores is not None:
         os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(args.cpu_reserved_cores)
-
-
-def _make_stat_logger_factory(tracker: _LoadTracker, num_blocks: list[int]) -> Any:
-    """A vLLM per-engine stat logger factory that feeds ``tracker``."""
-    from vllm.v1.metrics.loggers import StatLoggerBase
-
-    class _TrackerStatLogger(StatLoggerBase):
-        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
-            self._config = vllm_config
-
-        def record(
-            self,
-            scheduler_stats: Any,
-            iteration_stats: Any,
-            mm_cache_stats: Any = None,
-            engine_idx: int = 0,
-        ) -> None:
-            if scheduler_stats is None:
-                return
-            total = num_blocks[0] or (self._config.cache_config.num_gpu_blocks or 0)
-            pcs = scheduler_stats.prefix_cache_stats
-            tracker.update(
-                running=scheduler_stats.num_running_reqs,
-                waiting=scheduler_stats.num_waiting_reqs + scheduler_stats.num_skipped_waiting_reqs,
-                kv_usage=scheduler_stats.kv_cache_usage,
-                queries=pcs.queries if pcs is not None else 0,
-                hits=pcs.hits if pcs is not None else 0,
-                total=total,
-            )
-
-        def log_engine_initialized(self) -> None:
-            return None
-
-    def factory(vllm_config: Any, engine_index: int) -> StatLoggerBase:
-        return _TrackerStatLogger(vllm_config, engine_index)
-
-    return factory
 
 
 def _to_sampling_params(spec: SamplingSpec, kv_transfer_params: dict[str, Any] | None) -> Any:
@@ -196,7 +129,7 @@ class VllmEngine:
     def __init__(self, args: VllmEngineArgs) -> None:
         self.args = args
         self._llm: Any = None
-        self._tracker = _LoadTracker()
+        self._tracker = LoadTracker()
         self._num_blocks = [0]
         self._max_model_len = 0
         self._start_seconds = 0.0
@@ -273,7 +206,7 @@ class VllmEngine:
             engine_args = AsyncEngineArgs(**kwargs)
         except TypeError as exc:
             raise ConfigError(f"bad vLLM engine argument: {exc}") from exc
-        factory = _make_stat_logger_factory(self._tracker, self._num_blocks)
+        factory = make_stat_logger_factory(self._tracker, self._num_blocks)
         return AsyncLLM.from_engine_args(engine_args, stat_loggers=[factory])
 
     async def start(self) -> None:
@@ -282,11 +215,20 @@ class VllmEngine:
             return
         began = time.monotonic()
         built: list[Any] = []  # not a return value: a thread pool future would keep it alive
+        building = asyncio.get_running_loop().run_in_executor(
+            None, lambda: built.append(self._build())
+        )
         try:
-            await asyncio.wait_for(
-                asyncio.to_thread(lambda: built.append(self._build())), START_TIMEOUT_S
-            )
-        except (ConfigError, TimeoutError):
+            await asyncio.wait_for(asyncio.shield(building), START_TIMEOUT_S)
+        except (TimeoutError, asyncio.CancelledError) as exc:
+            # The build thread cannot be stopped; shut its engine down when it finishes.
+            building.add_done_callback(lambda _: [llm.shutdown() for llm in built])
+            if isinstance(exc, TimeoutError):
+                raise EngineError(
+                    f"vLLM did not start within {START_TIMEOUT_S:.0f}s for {self.args.model}"
+                ) from exc
+            raise
+        except ConfigError:
             raise
         except Exception as exc:
             raise EngineError(f"vLLM failed to start for {self.args.model}: {exc}") from exc

@@ -16,9 +16,9 @@ from dynagraph.llm.engines.vllm_engine import (
     VllmEngine,
     VllmEngineArgs,
     _finish_reason,
-    _LoadTracker,
     _to_engine_output,
 )
+from dynagraph.llm.engines.vllm_stats import LoadTracker
 
 
 def test_module_import_does_not_import_vllm() -> None:
@@ -65,7 +65,7 @@ def test_engine_args_extra_may_not_shadow_typed_keys() -> None:
 
 
 def test_load_tracker_accumulates_prefix_cache_counts() -> None:
-    t = _LoadTracker()
+    t = LoadTracker()
     t.set_total(100)
     assert t.get().kv_blocks_total == 100
     t.update(running=2, waiting=1, kv_usage=0.25, queries=64, hits=32, total=100)
