@@ -10,6 +10,12 @@ Router feeds (``components/kv_router.py`` subscribes to both):
   ``KvEventRelay`` in this process (bound on 127.0.0.1, vLLM connects); the stream
   is a snapshot of the worker's block set, then net deltas (``RelayBatch``).
 - ``load_metrics``: the engine's ``EngineLoad`` every ``load-metrics-interval`` s.
+
+Disaggregated prefill (graph ``graphs/disagg.py`` links ``PrefillWorker``; config
+``remote-prefill: true``): per request ``DecodeDisagg.plan`` decides local or remote
+(``dynagraph.llm.disagg``); a remote prefill's KV arrives over NIXL through the
+``kv_transfer_params`` a ``PrefillWorker`` hands to ``prefill_done``. In the agg graph
+``self.prefill`` is None and nothing of this is set up.
 """
 
 from __future__ import annotations
@@ -19,20 +25,24 @@ import os
 from collections.abc import AsyncIterator
 from typing import Any
 
+from components.prefill_worker import PrefillWorker
 from dynagraph.errors import ConfigError, EngineError
+from dynagraph.llm.decode_disagg import DecodeDisagg, DecodeDisaggKeys
 from dynagraph.llm.engines.base import SamplingSpec
 from dynagraph.llm.engines.vllm_engine import VllmEngine, VllmEngineArgs
 from dynagraph.llm.kv_relay import KvEventRelay, load_snapshots
 from dynagraph.llm.protocol import LLMEngineOutput, PreprocessedRequest
+from dynagraph.llm.remote_prefill import PrefillResult
 from dynagraph.llm.router.hashing import BlockHasher, seed_from_env
 from dynagraph.llm.worker_metrics import register_engine_load
-from dynagraph.sdk import async_on_shutdown, async_on_start, endpoint, service
+from dynagraph.sdk import async_on_shutdown, async_on_start, depends, endpoint, service
 
 log = logging.getLogger(__name__)
 
 
-class VllmWorkerConfig(VllmEngineArgs):
-    """The engine's settings (see ``VllmEngineArgs``); YAML keys in kebab-case."""
+class VllmWorkerConfig(VllmEngineArgs, DecodeDisaggKeys):
+    """The engine's settings (see ``VllmEngineArgs``) and the disaggregation keys (see
+    ``DecodeDisaggKeys``); YAML keys in kebab-case."""
 
     publish_kv_events: bool = False
     """Turn on vLLM's KV events and serve them on ``kv_events`` (for a KV Router)."""
@@ -42,8 +52,14 @@ class VllmWorkerConfig(VllmEngineArgs):
 
 @service(dynamo={"namespace": "dynamo"}, resources={"cpu": 1}, workers=1)
 class VllmWorker:
+    prefill = depends(PrefillWorker)
+
     def __init__(self, config: VllmWorkerConfig) -> None:
         self.config = config
+        self.disagg = DecodeDisagg.create(config, self.runtime, self.prefill,
+                                          config.kv_transfer_config)
+        if self.disagg is not None:
+            config = self.disagg.engine_args(config)
         self.relay: KvEventRelay | None = None
         if config.publish_kv_events:
             if config.kv_events_endpoint:
@@ -59,6 +75,8 @@ class VllmWorker:
         if self.relay is not None:
             await self.relay.start()
         await self.engine.start()
+        if self.disagg is not None:
+            await self.disagg.start(self.engine, self.config.block_size)
         register_engine_load(self.engine.load, worker=f"{self.runtime.instance_id:x}")
         self.runtime.metadata.update(
             {"block_size": self.config.block_size, "max_model_len": self.engine.max_model_len,
@@ -70,6 +88,8 @@ class VllmWorker:
 
     @async_on_shutdown
     async def stop(self) -> None:
+        if self.disagg is not None:
+            await self.disagg.stop()
         await self.engine.shutdown()
         if self.relay is not None:
             await self.relay.close()
@@ -77,8 +97,14 @@ class VllmWorker:
     @endpoint()
     async def generate(self, request: PreprocessedRequest) -> AsyncIterator[dict[str, Any]]:
         first = True
+        kv_params = None
+        if self.disagg is not None:
+            plan = await self.disagg.plan(request.request_id, request.token_ids,
+                                          request.sampling.temperature, request.sampling.seed)
+            kv_params = plan.kv_transfer_params
         async for out in self.engine.generate(request.request_id, request.token_ids,
-                                              to_sampling_spec(request)):
+                                              to_sampling_spec(request),
+                                              kv_transfer_params=kv_params):
             msg = LLMEngineOutput(token_ids=out.token_ids, finish_reason=out.finish_reason)
             if first or out.finish_reason is not None:
                 msg.prompt_tokens = out.num_prompt_tokens
@@ -86,6 +112,11 @@ class VllmWorker:
                 first = False
             yield msg.to_wire()
 
+    @endpoint()
+    async def prefill_done(self, result: PrefillResult) -> AsyncIterator[dict[str, Any]]:
+        """A PrefillWorker hands over a remote prefill's KV transfer parameters."""
+        accepted = self.disagg is not None and self.disagg.deliver(result)
+        yield {"accepted": accepted}
 
     @endpoint()
     async def kv_events(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:

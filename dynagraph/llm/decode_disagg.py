@@ -1,0 +1,157 @@
+"""Everything a decode worker adds for disaggregated prefill, behind one small object.
+
+``components/worker.py`` (``VllmWorker``) stays thin: it mixes
+:class:`DecodeDisaggKeys` into its config, calls :meth:`DecodeDisagg.create` in
+``__init__`` (None unless the graph links a ``PrefillWorker`` *and* ``remote-prefill``
+is true), and then per request ``plan()`` -> ``engine.generate(...,
+kv_transfer_params=plan.kv_transfer_params)``; its ``prefill_done`` endpoint calls
+``deliver()``.
+
+What it owns: the engine's NIXL consumer set-up (``nixl_side``), the prefill-queue
+producer (``NatsPrefillQueue``), the live thresholds (``LiveDisaggSettings`` fed by an
+etcd watch on ``/{namespace}/settings/{component}/``), the NIXL record under the lease,
+and the :class:`RemotePrefillCoordinator`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from dynagraph.llm.disagg import DisaggConfig, LiveDisaggSettings
+from dynagraph.llm.engines.vllm_engine import VllmEngine, VllmEngineArgs
+from dynagraph.llm.nixl_side import NixlEndpoint, nixl_key, prepare_nixl
+from dynagraph.llm.remote_prefill import (
+    PREFILL_DONE_ENDPOINT,
+    PrefillMetrics,
+    PrefillPlan,
+    PrefillResult,
+    PrefixCacheEstimate,
+    RemotePrefillCoordinator,
+)
+from dynagraph.runtime.queue import NatsPrefillQueue, PrefillSampling, ReplyTarget
+
+log = logging.getLogger(__name__)
+
+_METRICS: list[PrefillMetrics] = []  # one per process (prometheus names are global)
+
+
+def _kebab(name: str) -> str:
+    return name.replace("_", "-")
+
+
+class DecodeDisaggKeys(BaseModel):
+    """The decode worker's disaggregation keys (YAML in kebab-case); see ``DisaggConfig``.
+
+    ``max-local-prefill-length`` and ``max-prefill-queue-size`` can be changed live in
+    etcd (``/{namespace}/settings/VllmWorker/<key>``).
+    """
+
+    model_config = ConfigDict(extra="forbid", alias_generator=_kebab, validate_by_name=True,
+                              validate_by_alias=True)
+
+    remote_prefill: bool = False
+    conditional_disagg: bool = True
+    max_local_prefill_length: int = Field(default=1000, ge=0)
+    max_prefill_queue_size: int = Field(default=2, ge=0)
+    remote_prefill_timeout: float = Field(default=10.0, gt=0)
+    """Seconds to wait for a prefill worker's result before prefilling locally."""
+    prefill_queue_ack_wait: float = Field(default=30.0, gt=0)
+    prefill_queue_max_deliver: int = Field(default=3, ge=1)
+    nixl_progress_thread: bool = False
+    """Keep NIXL's progress thread (busy-spins a core while idle); see ``nixl_quiet``."""
+
+    def disagg_config(self) -> DisaggConfig:
+        return DisaggConfig(
+            remote_prefill=self.remote_prefill, conditional_disagg=self.conditional_disagg,
+            max_local_prefill_length=self.max_local_prefill_length,
+            max_prefill_queue_size=self.max_prefill_queue_size,
+            remote_prefill_timeout=self.remote_prefill_timeout,
+        )
+
+
+class DecodeDisagg:
+    """Remote-prefill support of one decode worker process. Build with :meth:`create`."""
+
+    def __init__(self, keys: DecodeDisaggKeys, runtime: Any, prefill: Any,
+                 kv_transfer_config: dict[str, Any], nixl: NixlEndpoint) -> None:
+        self.keys = keys
+        self.runtime = runtime
+        self.prefill = prefill
+        self.kv_transfer_config = kv_transfer_config
+        self.nixl = nixl
+        self.settings = LiveDisaggSettings(keys.disagg_config(), namespace=runtime.namespace,
+                                           component=runtime.component)
+        self.queue: NatsPrefillQueue | None = None
+        self.coordinator: RemotePrefillCoordinator | None = None
+        self._follow: asyncio.Task[None] | None = None
+
+    @classmethod
+    def create(cls, keys: DecodeDisaggKeys, runtime: Any, prefill: Any,
+               base_kv_config: dict[str, Any] | None = None) -> DecodeDisagg | None:
+        """None when the graph has no PrefillWorker (``prefill is None``) or remote-prefill is off.
+
+        Side effect: sets the NIXL side-channel environment for the engine to come.
+        """
+        if prefill is None or not keys.remote_prefill:
+            return None
+        engine_id = f"{runtime.component}-{runtime.instance_id:x}"
+        kv_cfg, nixl = prepare_nixl("kv_consumer", engine_id=engine_id, base=base_kv_config,
+                                    quiet=not keys.nixl_progress_thread)
+        return cls(keys, runtime, prefill, kv_cfg, nixl)
+
+    def engine_args(self, args: VllmEngineArgs) -> VllmEngineArgs:
+        return args.model_copy(update={"kv_transfer_config": self.kv_transfer_config})
+
+    async def start(self, engine: VllmEngine, block_size: int) -> None:
+        """Connect the queue, load and follow the live settings, publish the NIXL record."""
+        rt = self.runtime
+        if rt.nats_url is None:
+            raise RuntimeError("remote prefill needs NATS (NATS_SERVER) for the prefill queue")
+        for key, value in (await rt.discovery.get_prefix(self.settings.prefix)).items():
+            self.settings.apply(key, value)
+        self._follow = asyncio.create_task(
+            self.settings.follow(rt.discovery.watch_prefix(self.settings.prefix)))
+        self.queue = NatsPrefillQueue(rt.nats_url, rt.namespace,
+                                      ack_wait=self.keys.prefill_queue_ack_wait,
+                                      max_deliver=self.keys.prefill_queue_max_deliver)
+        await self.queue.connect()
+        await rt.discovery.put(nixl_key(rt.namespace, rt.component, rt.instance_id),
+                               self.nixl.record(), lease=True)
+        rt.metadata["nixl"] = self.nixl.record()
+        if not _METRICS:
+            _METRICS.append(PrefillMetrics())
+        self.coordinator = RemotePrefillCoordinator(
+            settings=self.settings, queue=self.queue,
+            reply_to=ReplyTarget(component=rt.component, endpoint=PREFILL_DONE_ENDPOINT,
+                                 instance_id=rt.instance_id),
+            prefix=PrefixCacheEstimate(block_size, engine.load().kv_blocks_total),
+            prefill_workers=self._prefill_workers, metrics=_METRICS[0],
+        )
+        log.info("remote prefill on: NIXL consumer %s at %s:%d; settings %s",
+                 self.nixl.engine_id, self.nixl.host, self.nixl.port,
+                 self.settings.current.model_dump(by_alias=True))
+
+    def _prefill_workers(self) -> int:
+        return len(self.prefill.instance_ids("status"))
+
+    async def plan(self, request_id: str, prompt: list[int], temperature: float,
+                   seed: int | None) -> PrefillPlan:
+        assert self.coordinator is not None, "start() first"
+        return await self.coordinator.plan(
+            request_id, prompt, PrefillSampling(temperature=temperature, seed=seed))
+
+    def deliver(self, result: PrefillResult) -> bool:
+        return self.coordinator is not None and self.coordinator.deliver(result)
+
+    async def stop(self) -> None:
+        if self._follow is not None:
+            self._follow.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait_for(self._follow, timeout=5)
+        if self.queue is not None:
+            await self.queue.close()

@@ -1,0 +1,221 @@
+"""Prefill-side job handling: pull a job, prefill it, hand the KV over, then settle it.
+
+One job, in order (``PrefillJobHandler.handle``):
+
+1. past its deadline -> ``term`` (the decode worker already prefilled locally);
+2. prefill with ``max_tokens=1`` and ``kv_transfer_params={"do_remote_decode": True}``
+   while a heartbeat calls ``item.in_progress()`` so the queue does not redeliver a
+   long prefill; an engine failure -> ``nak`` (another worker may succeed);
+3. call the decode worker back (``reply(job.reply_to, PrefillResult)``);
+4. only once that call returned -> ``ack``. If the decode worker is gone
+   (``NoInstancesError``) -> ``term``; any other failure of the call -> ``nak`` so the
+   job is delivered again (to this or another prefill worker) while its deadline lasts.
+
+A prefill worker killed at any point before 4 never acks: the queue redelivers the job
+after ``ack_wait``; a redelivery past the deadline is dropped by ``pull``.
+
+``serve_queue`` runs the pull loop with at most ``concurrency`` jobs at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+from dynagraph.errors import EngineError, NoInstancesError, RequestPlaneError
+from dynagraph.llm.engines.base import EngineOutput, SamplingSpec
+from dynagraph.llm.remote_prefill import PrefillAck, PrefillResult
+from dynagraph.runtime.queue import PrefillQueue, PrefillQueueError, QueueItem, ReplyTarget
+
+log = logging.getLogger(__name__)
+
+REMOTE_DECODE_PARAMS: dict[str, Any] = {"do_remote_decode": True}
+"""What a producer engine (vLLM NixlConnector, kv_producer) needs to keep the KV for a peer."""
+
+Status = Literal["handed-off", "late", "expired", "decode-gone", "reply-failed", "engine-failed"]
+
+
+class PrefillEngine(Protocol):
+    """The part of an engine a prefill worker uses (``VllmEngine`` satisfies it)."""
+
+    def generate(
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec, *,
+        kv_transfer_params: dict[str, Any] | None = None,
+    ) -> AsyncIterator[EngineOutput]: ...
+
+
+ReplyFn = Callable[[ReplyTarget, PrefillResult], Awaitable[PrefillAck]]
+"""Hands a result to the decode worker named by the job; raises RequestPlaneError."""
+
+
+@dataclass(frozen=True)
+class JobOutcome:
+    request_id: str
+    status: Status
+    queue_wait_s: float = 0.0
+    prefill_s: float = 0.0
+    reply_s: float = 0.0
+
+
+class PrefillJobHandler:
+    """Handles one queue item at a time per call; safe to run several calls concurrently."""
+
+    def __init__(
+        self,
+        engine: PrefillEngine,
+        reply: ReplyFn,
+        *,
+        instance_id: int = 0,
+        heartbeat_s: float = 5.0,
+        reply_timeout: float = 10.0,
+        hold_s: Callable[[], float] = lambda: 0.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.engine = engine
+        self.reply = reply
+        self.instance_id = instance_id
+        self.heartbeat_s = heartbeat_s
+        self.reply_timeout = reply_timeout
+        self.hold_s = hold_s
+        """Seconds to wait between prefill and hand-off (fault-injection tests; 0 normally)."""
+        self.clock = clock
+
+    async def handle(self, item: QueueItem) -> JobOutcome:
+        job = item.job
+        pulled = self.clock()
+        wait = max(pulled - job.enqueued_at, 0.0)
+        if job.expired(pulled):
+            await item.term()
+            return JobOutcome(job.request_id, "expired", wait)
+        async with _heartbeat(item, self.heartbeat_s):
+            began = time.monotonic()
+            try:
+                params = await self._prefill(job.request_id, job.prompt_token_ids, job,
+                                             item.delivery_count)
+            except EngineError as e:
+                log.warning("prefill of %s failed (delivery %d), giving it back: %s",
+                            job.request_id, item.delivery_count, e)
+                await item.nak()
+                return JobOutcome(job.request_id, "engine-failed", wait)
+            prefill_s = time.monotonic() - began
+            hold = self.hold_s()
+            if hold > 0:
+                log.warning("holding job %s for %.1fs before the hand-off (fault injection)",
+                            job.request_id, hold)
+                await asyncio.sleep(hold)
+            if job.expired(self.clock()):
+                await item.term()
+                return JobOutcome(job.request_id, "expired", wait, prefill_s)
+            result = PrefillResult(
+                request_id=job.request_id, kv_transfer_params=params,
+                prefill_instance=self.instance_id, delivery=item.delivery_count,
+                queue_wait_s=wait, prefill_s=prefill_s,
+            )
+            sent = time.monotonic()
+            try:
+                ack = await asyncio.wait_for(self.reply(job.reply_to, result), self.reply_timeout)
+            except NoInstancesError:
+                log.warning("decode worker %x of %s is gone; dropping the job",
+                            job.reply_to.instance_id, job.request_id)
+                await item.term()
+                return JobOutcome(job.request_id, "decode-gone", wait, prefill_s)
+            except (RequestPlaneError, TimeoutError) as e:
+                log.warning("hand-off of %s to %x failed, giving the job back: %s",
+                            job.request_id, job.reply_to.instance_id, e)
+                await item.nak()
+                return JobOutcome(job.request_id, "reply-failed", wait, prefill_s)
+            reply_s = time.monotonic() - sent
+        await item.ack()
+        status: Status = "handed-off" if ack.accepted else "late"
+        log.info("prefill %s: %s (queue wait %.3fs, prefill %.3fs, hand-off %.3fs)",
+                 job.request_id, status, wait, prefill_s, reply_s)
+        return JobOutcome(job.request_id, status, wait, prefill_s, reply_s)
+
+    async def _prefill(self, request_id: str, prompt: list[int], job: Any,
+                       delivery: int) -> dict[str, Any]:
+        s = job.sampling
+        spec = SamplingSpec(max_tokens=1, temperature=s.temperature, top_p=s.top_p,
+                            top_k=s.top_k, seed=s.seed)
+        params: dict[str, Any] | None = None
+        async for out in self.engine.generate(f"{request_id}-prefill-{delivery}", prompt, spec,
+                                              kv_transfer_params=dict(REMOTE_DECODE_PARAMS)):
+            if out.kv_transfer_params is not None:
+                params = out.kv_transfer_params
+        if params is None:
+            raise EngineError("the engine returned no KV transfer parameters; is it a KV "
+                              "producer (kv_transfer_config with kv_role kv_producer)?")
+        return params
+
+
+@contextlib.asynccontextmanager
+async def _heartbeat(item: QueueItem, every: float) -> AsyncIterator[None]:
+    async def beat() -> None:
+        while True:
+            await asyncio.sleep(every)
+            try:
+                await item.in_progress()
+            except PrefillQueueError as e:
+                log.warning("in_progress for %s failed: %s", item.job.request_id, e)
+
+    task = asyncio.create_task(beat())
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def serve_queue(
+    queue: PrefillQueue,
+    handler: PrefillJobHandler,
+    *,
+    concurrency: int = 2,
+    pull_timeout: float = 1.0,
+    on_outcome: Callable[[JobOutcome], None] | None = None,
+) -> None:
+    """Pull and handle jobs until cancelled; at most ``concurrency`` at once."""
+    if concurrency < 1:
+        raise ValueError("concurrency must be >= 1")
+    slots = asyncio.Semaphore(concurrency)
+    running: set[asyncio.Task[None]] = set()
+
+    async def run(item: QueueItem) -> None:
+        try:
+            outcome = await handler.handle(item)
+            if on_outcome is not None:
+                on_outcome(outcome)
+        except PrefillQueueError as e:
+            log.warning("settling job %s failed (it may be delivered again): %s",
+                        item.job.request_id, e)
+        except Exception:
+            log.exception("job %s failed unexpectedly; giving it back", item.job.request_id)
+            with contextlib.suppress(PrefillQueueError):
+                await item.nak()
+        finally:
+            slots.release()
+
+    try:
+        while True:
+            await slots.acquire()
+            try:
+                item = await queue.pull(pull_timeout)
+            except BaseException:
+                slots.release()
+                raise
+            if item is None:
+                slots.release()
+                continue
+            task = asyncio.create_task(run(item))
+            running.add(task)
+            task.add_done_callback(running.discard)
+    finally:
+        for task in running:
+            task.cancel()
+        if running:
+            await asyncio.wait(running, timeout=5)
