@@ -1,0 +1,280 @@
+"""Remote prefill without services: coordinator (decode side) + job handler (prefill side)
+wired through the in-memory queue, with a fake engine and an in-process reply call."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from dynagraph.errors import EngineError, NoInstancesError, StreamBroken
+from dynagraph.llm.disagg import DisaggConfig, LiveDisaggSettings
+from dynagraph.llm.engines.base import EngineOutput, SamplingSpec
+from dynagraph.llm.prefill_handler import PrefillJobHandler, serve_queue
+from dynagraph.llm.remote_prefill import (
+    PrefillAck,
+    PrefillMetrics,
+    PrefillResult,
+    PrefixCacheEstimate,
+    RemotePrefillCoordinator,
+)
+from dynagraph.runtime.queue import (
+    MemoryPrefillQueue,
+    PrefillQueueError,
+    RemotePrefillJob,
+    ReplyTarget,
+)
+
+REPLY = ReplyTarget(component="VllmWorker", endpoint="prefill_done", instance_id=7)
+
+
+class FakeEngine:
+    def __init__(self, *, fail: bool = False, delay: float = 0.0) -> None:
+        self.calls: list[tuple[str, list[int], dict[str, Any] | None]] = []
+        self.fail = fail
+        self.delay = delay
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec,
+                       *, kv_transfer_params: dict[str, Any] | None = None
+                       ) -> AsyncIterator[EngineOutput]:
+        assert sampling.max_tokens == 1
+        self.calls.append((request_id, prompt_token_ids, kv_transfer_params))
+        if self.delay:
+            await asyncio.sleep(self.delay)
+        if self.fail:
+            raise EngineError("boom")
+        yield EngineOutput(token_ids=[1], finish_reason="length",
+                           kv_transfer_params={"remote_block_ids": [[1]], "n": len(prompt_token_ids)})
+
+
+def settings(**kw: Any) -> LiveDisaggSettings:
+    base = DisaggConfig(remote_prefill=True, max_local_prefill_length=kw.pop("threshold", 64),
+                        remote_prefill_timeout=kw.pop("timeout", 2.0), **kw)
+    return LiveDisaggSettings(base, namespace="t")
+
+
+def coordinator(queue: Any, **kw: Any) -> RemotePrefillCoordinator:
+    return RemotePrefillCoordinator(
+        settings=kw.pop("settings", settings()), queue=queue, reply_to=REPLY,
+        prefix=PrefixCacheEstimate(block_size=16, capacity_blocks=1000),
+        prefill_workers=kw.pop("workers", lambda: 1), **kw,
+    )
+
+
+def wire(coord: RemotePrefillCoordinator, calls: list[PrefillResult]) -> Any:
+    async def reply(target: ReplyTarget, result: PrefillResult) -> PrefillAck:
+        assert target == REPLY
+        calls.append(result)
+        return PrefillAck(accepted=coord.deliver(result))
+    return reply
+
+
+# --- PrefixCacheEstimate -------------------------------------------------------------------
+
+def test_prefix_estimate_full_blocks_and_lru() -> None:
+    est = PrefixCacheEstimate(block_size=4, capacity_blocks=3)
+    a = list(range(10))  # two full blocks
+    assert est.cached_len(a) == 0
+    est.record(a)
+    assert len(est) == 2
+    assert est.cached_len(a) == 8
+    assert est.cached_len(a[:4] + [99] * 6) == 4  # diverges in block 2
+    est.record([50, 51, 52, 53, 54, 55, 56, 57])  # 2 more blocks: evicts a's first block
+    assert len(est) == 3
+    assert est.cached_len(a) == 0  # chain broken at block 1
+
+
+# --- coordinator decisions -----------------------------------------------------------------
+
+async def test_short_prompt_stays_local_without_touching_the_queue() -> None:
+    q = MemoryPrefillQueue()
+    await q.connect()
+    c = coordinator(q)
+    plan = await c.plan("r1", list(range(64)))
+    assert not plan.remote and plan.decision.reason == "short-prompt" and plan.fallback is None
+    assert (await q.stats()).waiting == 0
+
+
+async def test_cached_prefix_counts_against_the_threshold() -> None:
+    q = MemoryPrefillQueue()
+    await q.connect()
+    c = coordinator(q, settings=settings(timeout=0.05))
+    prompt = list(range(100))
+    first = await c.plan("r1", prompt)  # 100 uncached > 64: remote, nobody answers
+    assert first.fallback == "timeout"
+    second = await c.plan("r2", prompt + [1, 2])  # 96 cached, 6 uncached
+    assert second.decision.reason == "short-prompt"
+
+
+async def test_remote_round_trip_through_the_queue() -> None:
+    q = MemoryPrefillQueue()
+    await q.connect()
+    metrics = PrefillMetrics(registry=None)
+    c = coordinator(q, metrics=metrics)
+    engine = FakeEngine()
+    sent: list[PrefillResult] = []
+    handler = PrefillJobHandler(engine, wire(c, sent), instance_id=3)
+    server = asyncio.create_task(serve_queue(q, handler, pull_timeout=0.05))
+    try:
+        plan = await c.plan("r1", list(range(200)))
+    finally:
+        server.cancel()
+        await asyncio.gather(server, return_exceptions=True)
+    assert plan.remote and plan.kv_transfer_params == {"remote_block_ids": [[1]], "n": 200}
+    assert plan.result is not None and plan.result.prefill_instance == 3
+    assert engine.calls[0][2] == {"do_remote_decode": True}
+    assert len(sent) == 1
+    stats = await q.stats()
+    assert (stats.waiting, stats.in_flight) == (0, 0)  # acked
+    assert metrics.requests.labels("remote", "long-prompt")._value.get() == 1
+    assert c.pending == 0
+
+
+async def test_no_prefill_worker_means_local_at_once() -> None:
+    q = MemoryPrefillQueue()
+    await q.connect()
+    c = coordinator(q, workers=lambda: 0)
+    plan = await c.plan("r1", list(range(200)))
+    assert plan.fallback == "no-prefill-worker" and plan.label == "fallback"
+    assert (await q.stats()).waiting == 0
+
+
+async def test_queue_full_stays_local() -> None:
+    q = MemoryPrefillQueue()
+    await q.connect()
+    for i in range(2):
+        await q.enqueue(RemotePrefillJob.create(request_id=f"x{i}", prompt_token_ids=[1],
+                                                reply_to=REPLY, timeout=30))
+    c = coordinator(q)
+    plan = await c.plan("r1", list(range(200)))
+    assert not plan.remote and plan.decision.reason == "queue-full"
+
+
+class BrokenQueue(MemoryPrefillQueue):
+    async def depth(self) -> int:
+        raise PrefillQueueError("down")
+
+
+async def test_unreachable_queue_falls_back_to_local() -> None:
+    c = coordinator(BrokenQueue())
+    plan = await c.plan("r1", list(range(200)))
+    assert plan.fallback == "queue-error" and not plan.remote
+
+
+async def test_live_threshold_change_switches_the_decision() -> None:
+    q = MemoryPrefillQueue()
+    await q.connect()
+    live = settings(timeout=0.05)
+    c = coordinator(q, settings=live)
+    assert (await c.plan("r1", list(range(100)))).decision.remote
+    live.apply("/t/settings/VllmWorker/max-local-prefill-length", "5000")
+    assert (await c.plan("r2", list(range(1000, 1100)))).decision.reason == "short-prompt"
+
+
+async def test_late_result_is_refused() -> None:
+    c = coordinator(MemoryPrefillQueue())
+    assert not c.deliver(PrefillResult(request_id="nobody", kv_transfer_params={}))
+
+
+# --- job handler ---------------------------------------------------------------------------
+
+async def enqueue_and_pull(q: MemoryPrefillQueue, job_timeout: float = 5.0) -> Any:
+    await q.enqueue(RemotePrefillJob.create(request_id="j1", prompt_token_ids=[1, 2, 3],
+                                            reply_to=REPLY, timeout=job_timeout))
+    item = await q.pull(1.0)
+    assert item is not None
+    return item
+
+
+async def test_engine_failure_gives_the_job_back() -> None:
+    q = MemoryPrefillQueue()
+    await q.connect()
+    item = await enqueue_and_pull(q)
+
+    async def reply(target: ReplyTarget, result: PrefillResult) -> PrefillAck:
+        raise AssertionError("must not reply")
+
+    out = await PrefillJobHandler(FakeEngine(fail=True), reply).handle(item)
+    assert out.status == "engine-failed"
+    again = await q.pull(1.0)
+    assert again is not None and again.delivery_count == 2
+
+
+async def test_decode_worker_gone_terminates_the_job() -> None:
+    q = MemoryPrefillQueue()
+    await q.connect()
+    item = await enqueue_and_pull(q)
+
+    async def reply(target: ReplyTarget, result: PrefillResult) -> PrefillAck:
+        raise NoInstancesError("gone")
+
+    out = await PrefillJobHandler(FakeEngine(), reply).handle(item)
+    assert out.status == "decode-gone"
+    stats = await q.stats()
+    assert (stats.waiting, stats.in_flight) == (0, 0)
+
+
+async def test_broken_hand_off_is_retried() -> None:
+    q = MemoryPrefillQueue()
+    await q.connect()
+    item = await enqueue_and_pull(q)
+
+    async def reply(target: ReplyTarget, result: PrefillResult) -> PrefillAck:
+        raise StreamBroken("cut")
+
+    out = await PrefillJobHandler(FakeEngine(), reply).handle(item)
+    assert out.status == "reply-failed"
+    assert await q.pull(1.0) is not None
+
+
+async def test_late_hand_off_still_acks() -> None:
+    q = MemoryPrefillQueue()
+    await q.connect()
+    item = await enqueue_and_pull(q)
+
+    async def reply(target: ReplyTarget, result: PrefillResult) -> PrefillAck:
+        return PrefillAck(accepted=False)
+
+    out = await PrefillJobHandler(FakeEngine(), reply).handle(item)
+    assert out.status == "late"
+    stats = await q.stats()
+    assert (stats.waiting, stats.in_flight) == (0, 0)
+
+
+async def test_expired_while_held_is_terminated() -> None:
+    q = MemoryPrefillQueue()
+    await q.connect()
+    item = await enqueue_and_pull(q, job_timeout=0.1)
+
+    async def reply(target: ReplyTarget, result: PrefillResult) -> PrefillAck:
+        raise AssertionError("must not reply")
+
+    out = await PrefillJobHandler(FakeEngine(), reply, hold_s=lambda: 0.2).handle(item)
+    assert out.status == "expired"
+    stats = await q.stats()
+    assert (stats.waiting, stats.in_flight) == (0, 0)
+
+
+async def test_heartbeat_keeps_a_long_prefill_from_redelivery() -> None:
+    q = MemoryPrefillQueue(ack_wait=0.1)
+    await q.connect()
+    item = await enqueue_and_pull(q)
+    seen: list[PrefillResult] = []
+
+    async def reply(target: ReplyTarget, result: PrefillResult) -> PrefillAck:
+        seen.append(result)
+        return PrefillAck(accepted=True)
+
+    handler = PrefillJobHandler(FakeEngine(delay=0.35), reply, heartbeat_s=0.03)
+    task = asyncio.create_task(handler.handle(item))
+    assert await q.pull(0.3) is None  # not redelivered while the heartbeat runs
+    out = await task
+    assert out.status == "handed-off" and len(seen) == 1
+
+
+def test_serve_queue_rejects_zero_concurrency() -> None:
+    with pytest.raises(ValueError):
+        asyncio.run(serve_queue(MemoryPrefillQueue(), PrefillJobHandler(FakeEngine(), None),  # type: ignore[arg-type]
+                                concurrency=0))
