@@ -6,6 +6,7 @@ so a demo run and the tests share it). One engine serves the whole session.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -27,19 +28,23 @@ def tiny_model() -> Path:
     return ensure_model(TINY_MODEL_DIR)
 
 
-@pytest.fixture(scope="session")
-def vllm_test_env() -> Iterator[None]:
-    """Environment for in-test engines: model runs inside the engine-core process."""
-    saved = {k: os.environ.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING",)}
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+@contextlib.contextmanager
+def in_process_model() -> Iterator[None]:
+    """Run the model inside vLLM's engine-core process (starts in seconds, decodes slower).
+
+    Only set while an engine starts (its child process copies the environment), so
+    processes that tests spawn later do not inherit it.
+    """
+    key = "VLLM_ENABLE_V1_MULTIPROCESSING"
+    saved = os.environ.get(key)
+    os.environ[key] = "0"
     try:
         yield
     finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        if saved is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = saved
 
 
 @pytest.fixture(scope="session")
@@ -49,9 +54,7 @@ def kv_events_endpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
-async def vllm_engine(
-    tiny_model: Path, vllm_test_env: None, kv_events_endpoint: str
-) -> AsyncIterator[VllmEngine]:
+async def vllm_engine(tiny_model: Path, kv_events_endpoint: str) -> AsyncIterator[VllmEngine]:
     """One started engine shared by the session's ``vllm`` tests (block size 32)."""
     engine = VllmEngine(
         VllmEngineArgs(
@@ -64,7 +67,8 @@ async def vllm_engine(
             kv_events_topic="test-engine",
         )
     )
-    await engine.start()
+    with in_process_model():
+        await engine.start()
     try:
         yield engine
     finally:
