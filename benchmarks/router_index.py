@@ -378,6 +378,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg = Config(
         workers=a.workers, blocks_per_worker=a.blocks_per_worker, queries=a.queries, seed=a.seed
     )
+    floor = LONG_PREFIX + PREFIX_BLOCKS * cfg.prefixes_per_worker + TURNS * TURN_BLOCKS
+    if cfg.blocks_per_worker < floor:
+        ap.error(f"--blocks-per-worker must be at least {floor} for this workload")
     wl = make_workload(cfg)
     t0 = time.perf_counter()
     events = list(all_events(cfg, wl, sample=True))
