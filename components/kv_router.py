@@ -9,7 +9,7 @@ expires is dropped from the index and the load table at once):
   whose load stream is down (crashed, lease not yet expired) is not chosen while
   another worker is healthy.
 
-``generate(RouteRequest)`` yields one ``{"worker_id", "overlap_blocks",
+``generate(RouteRequest)`` (``token_ids``, ``track``, ``mode``) yields one ``{"worker_id", "overlap_blocks",
 "request_blocks", "mode"}``. The Processor then calls that worker with ``direct()``.
 With ``track=True`` the stream stays open (yielding nothing more) until the caller
 closes it, and the request counts as in flight on the chosen worker meanwhile: its
@@ -17,9 +17,10 @@ block hashes are a *predicted* prefix for later requests (before the worker's ev
 arrive) and its unshared blocks count as that worker's load, so a burst of requests
 sharing a prefix sticks to one worker without overloading it.
 
-Modes (``RouterMode``: ``kv``, ``kv-load``, ``round-robin``, ``random``) come from
-``mode:`` in the config and live from etcd: ``/{ns}/settings/Router/mode`` (a JSON
-string; deleting the key restores the configured mode). ``overlap-weight`` and
+Modes (``RouterMode``: ``kv``, ``kv-load``, ``round-robin``, ``random``): a mode set
+live in etcd at ``/{ns}/settings/Router/mode`` (a JSON string) wins; else the
+request's ``mode`` (the Processor's ``router-mode``); else ``mode:`` in the config.
+Deleting the etcd key restores the others. ``overlap-weight`` and
 ``temperature`` can be tuned the same way. The choice itself is the pure
 ``choose_worker``; ``RouterState`` only gathers its inputs. Block hashes come from the
 one ``BlockHasher`` with the block size, hash algorithm and seed that the workers
@@ -89,8 +90,11 @@ class RouterConfig(BaseModel):
 
 
 class RouteRequest(msgspec.Struct):
+    """``mode``: the caller's default; a mode set in etcd wins, then this, then the config."""
+
     token_ids: list[int]
     track: bool = False
+    mode: RouterMode | None = None
 
 
 def _label(worker_id: int) -> str:
@@ -208,7 +212,13 @@ class Router:
 
     @property
     def mode(self) -> RouterMode:
+        """The mode for a request that names none."""
         return self.settings.get("mode", self.config.mode)  # type: ignore[no-any-return]
+
+    def mode_for(self, requested: RouterMode | None) -> RouterMode:
+        if "mode" in self.settings or requested is None:
+            return self.mode
+        return requested
 
     def apply_setting(self, name: str, value: Any | None) -> None:
         """One etcd setting changed (``None``: deleted, back to the config's value)."""
@@ -328,30 +338,32 @@ class Router:
 
     # --- the endpoint -------------------------------------------------------------
 
-    def route(self, token_ids: list[int]) -> tuple[Decision, list[int]]:
+    def route(self, token_ids: list[int], mode: RouterMode | None = None
+              ) -> tuple[Decision, list[int], RouterMode]:
         """Decide for one prompt (synchronous: no other decision interleaves)."""
+        mode = self.mode_for(mode)
         hashes = self.hasher.block_hashes(token_ids) if self.hasher is not None else []
         decision = self.state.decide(
-            self.mode, hashes,
+            mode, hashes,
             overlap_weight=self.settings.get("overlap-weight", self.config.overlap_weight),
             temperature=self.settings.get("temperature", self.config.temperature))
         label = _label(decision.worker_id)
-        DECISIONS.labels(label, self.mode.value).inc()
+        DECISIONS.labels(label, mode.value).inc()
         OVERLAP_BLOCKS.labels(label).inc(decision.overlap_blocks)
         REQUEST_BLOCKS.labels(label).inc(len(hashes))
-        return decision, hashes
+        return decision, hashes, mode
 
     @endpoint()
     async def generate(self, request: RouteRequest) -> AsyncIterator[dict[str, Any]]:
-        decision, hashes = self.route(request.token_ids)
+        decision, hashes, mode = self.route(request.token_ids, request.mode)
         w = decision.worker_id
         log.debug("route %d blocks -> %x (overlap %d, mode %s)", len(hashes), w,
-                  decision.overlap_blocks, self.mode)
+                  decision.overlap_blocks, mode)
         if request.track:
             self.state.begin(w, hashes)
         try:
             yield {"worker_id": w, "overlap_blocks": decision.overlap_blocks,
-                   "request_blocks": len(hashes), "mode": self.mode.value}
+                   "request_blocks": len(hashes), "mode": mode.value}
             if request.track:
                 await asyncio.sleep(self.config.track_timeout)
         finally:

@@ -170,9 +170,15 @@ async def test_router_follows_workers_events_loads_settings_and_lease_expiry() -
         got = await _route(router, shared + prompt(6, 1))
         assert got == {"worker_id": b, "overlap_blocks": 6, "request_blocks": 7, "mode": "kv"}
 
+        gen = router.generate(RouteRequest(token_ids=shared, mode=RouterMode.KV_LOAD))
+        assert (await anext(gen))["mode"] == "kv-load"
+        await gen.aclose()  # type: ignore[attr-defined]
         await wa.put("/dynamo/settings/Router/mode", "round-robin")
         await until(lambda: router.mode is RouterMode.ROUND_ROBIN)
         assert {(await _route(router, shared))["worker_id"] for _ in range(2)} == {a, b}
+        gen = router.generate(RouteRequest(token_ids=shared, mode=RouterMode.KV_LOAD))
+        assert (await anext(gen))["mode"] == "round-robin"  # etcd wins over the request
+        await gen.aclose()  # type: ignore[attr-defined]
         await wa.put("/dynamo/settings/Router/mode", "nonsense")
         await wa.delete("/dynamo/settings/Router/mode")
         await until(lambda: router.mode is RouterMode.KV)

@@ -1,0 +1,71 @@
+"""Looks inside a running graph from the test process: etcd records, /metrics, direct calls."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from typing import Any
+
+import httpx
+
+from dynagraph.runtime.discovery import EtcdDiscovery
+from dynagraph.runtime.rpc import RpcClient
+
+NS = "dynamo"
+
+
+class GraphProbe:
+    def __init__(self, etcd_url: str) -> None:
+        self.discovery = EtcdDiscovery(etcd_url)
+        self.rpc = RpcClient(idle_timeout=30)
+        self.http = httpx.AsyncClient(timeout=5)
+
+    async def start(self) -> None:
+        await self.discovery.start()
+
+    async def close(self) -> None:
+        await self.http.aclose()
+        await self.rpc.close()
+        await self.discovery.close()
+
+    async def workers(self) -> dict[int, dict[str, Any]]:
+        """Live VllmWorker processes: instance id -> process record (pid, metrics, ...)."""
+        recs = await self.discovery.get_prefix(f"/{NS}/instances/VllmWorker/")
+        return {int(k.rsplit("/", 1)[1], 16): v for k, v in recs.items()}
+
+    async def wait_workers(self, count: int, within: float = 120) -> dict[int, dict[str, Any]]:
+        deadline = time.monotonic() + within
+        while True:
+            ws = await self.workers()
+            if len(ws) == count:
+                return ws
+            if time.monotonic() > deadline:
+                raise AssertionError(f"expected {count} workers, have {len(ws)}: {ws}")
+            await asyncio.sleep(0.2)
+
+    async def prefix_cache(self, record: dict[str, Any]) -> tuple[float, float]:
+        """(queries, hits) in prompt tokens, from the worker's /metrics."""
+        text = (await self.http.get(f"http://{record['metrics']}/metrics")).text
+        out = []
+        for name in ("dynamo_worker_prefix_cache_queries_total",
+                     "dynamo_worker_prefix_cache_hits_total"):
+            m = re.search(rf"^{name}\{{[^}}]*\}} (\S+)$", text, re.M)
+            assert m is not None, f"{name} not in /metrics of {record['metrics']}"
+            out.append(float(m.group(1)))
+        return out[0], out[1]
+
+    async def router_address(self) -> str:
+        recs = await self.discovery.get_prefix(f"/{NS}/components/Router/generate/")
+        assert recs, "no Router registered"
+        return str(next(iter(recs.values()))["address"])
+
+    async def route(self, token_ids: list[int]) -> dict[str, Any]:
+        """Ask the Router directly (untracked) where ``token_ids`` would go."""
+        stream = self.rpc.call(await self.router_address(), "generate", {"token_ids": token_ids})
+        try:
+            async for item in stream:
+                return dict(item)
+        finally:
+            await stream.aclose()
+        raise AssertionError("the Router answered nothing")

@@ -1,0 +1,55 @@
+"""One agg_router graph (two vLLM workers, KV events, Router) shared by these tests."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from dynagraph.llm.model_builder import ensure_model
+from tests.support.serve import REPO, ServeProcess
+
+from ._probe import GraphProbe
+
+MODEL_DIR = REPO / "models" / "tiny-llama"
+MAX_MODEL_LEN = 1024
+MODEL = "tiny-llama"
+
+
+@pytest.fixture(scope="session")
+def router_model_dir() -> Path:
+    return ensure_model(MODEL_DIR)
+
+
+@pytest.fixture(scope="session")
+def router_graph(router_model_dir: Path, etcd_url: str, nats_url: str) -> Iterator[ServeProcess]:
+    env = {**os.environ, "ETCD_ENDPOINTS": etcd_url, "NATS_SERVER": nats_url,
+           "PYTHONUNBUFFERED": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    sp = ServeProcess(
+        ["graphs.agg_router:Frontend", "-f", "configs/agg_router.yaml", "--Frontend.port=0",
+         f"--Common.model={router_model_dir}", f"--Common.max-model-len={MAX_MODEL_LEN}",
+         "--VllmWorker.max-num-seqs=8"],
+        env,
+    )
+    try:
+        sp.wait_ready(240)
+        yield sp
+    finally:
+        sp.stop()
+
+
+@pytest.fixture(scope="session")
+def router_url(router_graph: ServeProcess) -> str:
+    return router_graph.url()
+
+
+@pytest.fixture(scope="session")
+async def probe(router_graph: ServeProcess, etcd_url: str) -> AsyncIterator[GraphProbe]:
+    p = GraphProbe(etcd_url)
+    await p.start()
+    try:
+        yield p
+    finally:
+        await p.close()

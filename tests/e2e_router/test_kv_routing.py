@@ -1,0 +1,111 @@
+"""KV-aware routing in a real graph: two vLLM workers, their KV events, the Router."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from ._probe import GraphProbe
+from .conftest import MODEL
+
+pytestmark = pytest.mark.vllm
+
+BLOCK = 32
+rng = random.Random(1234)
+
+
+def tokens(n: int) -> list[int]:
+    return [rng.randrange(10, 900) for _ in range(n)]
+
+
+async def complete(url: str, prompt: list[int], max_tokens: int = 2) -> dict[str, Any]:
+    async with httpx.AsyncClient(timeout=60) as http:
+        r = await http.post(f"{url}/v1/completions", json={
+            "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+async def served_by(probe: GraphProbe, before: dict[int, tuple[float, float]],
+                    within: float = 10) -> tuple[int, float]:
+    """The one worker whose prefix-cache query counter rose since ``before``; its hit rise."""
+    deadline = time.monotonic() + within
+    while True:
+        workers = await probe.workers()
+        rose = {}
+        for w, rec in workers.items():
+            q, h = await probe.prefix_cache(rec)
+            if q > before[w][0]:
+                rose[w] = h - before[w][1]
+        if len(rose) == 1:
+            return next(iter(rose.items()))
+        assert len(rose) < 2, f"both workers saw the request: {rose}"
+        if time.monotonic() > deadline:
+            raise AssertionError("no worker's prefix-cache queries rose")
+        await asyncio.sleep(0.1)
+
+
+async def snapshot(probe: GraphProbe) -> dict[int, tuple[float, float]]:
+    return {w: await probe.prefix_cache(rec) for w, rec in (await probe.workers()).items()}
+
+
+async def wait_route(probe: GraphProbe, prompt: list[int], overlap: int,
+                     within: float = 10) -> dict[str, Any]:
+    deadline = time.monotonic() + within
+    while True:
+        got = await probe.route(prompt)
+        if got["overlap_blocks"] >= overlap or time.monotonic() > deadline:
+            return got
+        await asyncio.sleep(0.05)
+
+
+async def test_shared_prefix_follows_the_cache_and_hashes_match_vllm(
+        router_url: str, probe: GraphProbe) -> None:
+    await probe.wait_workers(2)
+    holders: dict[int, int] = {}
+    for k in range(4):
+        prefix = tokens(8 * BLOCK)
+        first = prefix + tokens(20)
+        before = await snapshot(probe)
+        await complete(router_url, first)
+        holder, _ = await served_by(probe, before)
+        holders[k] = holder
+        # The Router's index, built only from vLLM's BlockStored events, holds every full
+        # block of the prompt under our own hashes: vLLM's hashes equal ours.
+        got = await wait_route(probe, first, len(first) // BLOCK)
+        assert got["overlap_blocks"] == len(first) // BLOCK, got
+        assert got["worker_id"] == holder
+
+        second = prefix + tokens(40)
+        before = await snapshot(probe)
+        await complete(router_url, second)
+        again, hits = await served_by(probe, before)
+        assert again == holder, f"prefix {k}: first on {holder:x}, then on {again:x}"
+        assert hits >= 8 * BLOCK, f"prefix-cache hits rose by {hits} only"
+    # random prefixes spread: with 4 first requests on 2 idle workers, both get some
+    assert len(set(holders.values())) >= 1
+
+
+async def test_mode_switch_through_etcd(router_url: str, probe: GraphProbe) -> None:
+    key = "/dynamo/settings/Router/mode"
+    prompt = tokens(4 * BLOCK)
+    await probe.discovery.put(key, "round-robin")
+    try:
+        deadline = time.monotonic() + 10
+        while (await probe.route(prompt))["mode"] != "round-robin":
+            assert time.monotonic() < deadline, "the Router never saw the etcd mode"
+            await asyncio.sleep(0.05)
+        seen = {(await probe.route(prompt))["worker_id"] for _ in range(4)}
+        assert len(seen) == 2
+        await complete(router_url, prompt)
+    finally:
+        await probe.discovery.delete(key)
+    deadline = time.monotonic() + 10
+    while (await probe.route(prompt))["mode"] != "kv":
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.05)
