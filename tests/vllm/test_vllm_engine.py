@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
+import psutil
 import pytest
 
 from dynagraph.errors import InvalidRequest, PromptTooLong
@@ -221,3 +227,52 @@ async def test_duplicate_request_id_in_flight_is_rejected(vllm_engine: VllmEngin
             await collect(vllm_engine, prompt(20), GREEDY, request_id=request_id)
     await stream.aclose()  # type: ignore[attr-defined]
     await wait_for_load(vllm_engine, lambda ld: ld.running == 0)
+
+
+@pytest.mark.timeout(240)
+def test_engine_processes_die_with_a_sigkilled_owner(tiny_model: Path) -> None:
+    """vLLM's engine core outlives a SIGKILLed parent unless the reaper ends it."""
+    code = (
+        "import asyncio, os, sys\n"
+        "from dynagraph.llm.engines.vllm_engine import VllmEngine, VllmEngineArgs\n"
+        "async def main():\n"
+        f"    engine = VllmEngine(VllmEngineArgs(model={str(tiny_model)!r}, block_size=32))\n"
+        "    await engine.start()\n"
+        "    print('PIDS', *engine._reaper.pids, flush=True)\n"
+        "    await asyncio.sleep(120)\n"
+        "if __name__ == '__main__':\n"
+        "    asyncio.run(main())\n"
+    )
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    owner = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
+    helpers: list[int] = []
+    try:
+        assert owner.stdout is not None
+        for line in owner.stdout:  # vLLM logs to stdout too
+            if line.startswith("PIDS"):
+                helpers = [int(p) for p in line.split()[1:]]
+                break
+        assert helpers, "the engine reported no helper processes"
+        os.kill(owner.pid, signal.SIGKILL)
+        owner.wait(timeout=10)
+        deadline = time.monotonic() + 30
+        while any(_running(p) for p in helpers):
+            assert time.monotonic() < deadline, f"vLLM helpers {helpers} outlived their owner"
+            time.sleep(0.1)
+    finally:
+        for pid in [owner.pid, *helpers]:
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from dynagraph.errors import ConfigError, EngineError, InvalidRequest, PromptTooLong
 from dynagraph.llm.engines.base import EngineLoad, EngineOutput, FinishReason, SamplingSpec
+from dynagraph.llm.engines.reaper import Reaper, vllm_descendants
 from dynagraph.llm.engines.vllm_stats import LoadTracker, make_stat_logger_factory
 
 log = logging.getLogger(__name__)
@@ -134,6 +135,7 @@ class VllmEngine:
         self._max_model_len = 0
         self._start_seconds = 0.0
         self._in_flight: set[str] = set()
+        self._reaper: Reaper | None = None
 
     @property
     def started(self) -> bool:
@@ -214,6 +216,7 @@ class VllmEngine:
         if self._llm is not None:
             return
         began = time.monotonic()
+        helpers_before = set(vllm_descendants())
         built: list[Any] = []  # not a return value: a thread pool future would keep it alive
         building = asyncio.get_running_loop().run_in_executor(
             None, lambda: built.append(self._build())
@@ -233,6 +236,8 @@ class VllmEngine:
         except Exception as exc:
             raise EngineError(f"vLLM failed to start for {self.args.model}: {exc}") from exc
         llm = self._llm = built.pop()
+        # vLLM's helper processes outlive a SIGKILLed owner; a watchdog ends them.
+        self._reaper = Reaper(sorted(set(vllm_descendants()) - helpers_before))
         self._max_model_len = int(llm.model_config.max_model_len)
         self._num_blocks[0] = int(llm.vllm_config.cache_config.num_gpu_blocks or 0)
         self._tracker.set_total(self._num_blocks[0])
@@ -258,7 +263,12 @@ class VllmEngine:
         if isinstance(handler, asyncio.Task):
             handler.cancel()
             await asyncio.wait([handler], timeout=SHUTDOWN_TIMEOUT_S)
-        await asyncio.wait_for(asyncio.to_thread(llm.shutdown), SHUTDOWN_TIMEOUT_S)
+        try:
+            await asyncio.wait_for(asyncio.to_thread(llm.shutdown), SHUTDOWN_TIMEOUT_S)
+        finally:
+            reaper, self._reaper = self._reaper, None
+            if reaper is not None:
+                await asyncio.to_thread(reaper.close)
         log.info("vLLM engine for %s shut down", self.args.model)
 
     def load(self) -> EngineLoad:
