@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import importlib.util
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -87,7 +86,3 @@ def test_promtool_parses_every_expression(tmp_path: Path) -> None:
     bad.write_text(dash.rules_yaml(["sum(rate(x[1m]) by"]))
     assert subprocess.run([promtool(), "check", "rules", str(bad)], capture_output=True,
                           timeout=60, check=False).returncode != 0
-
-
-def graph_exists(graph: str) -> bool:
-    return importlib.util.find_spec(f"graphs.{graph}") is not None
