@@ -7,7 +7,8 @@ is stopped:
 - **Ready**: every component has ``workers`` instance records in etcd, else after
   ``--ready-timeout`` it names the missing ones, stops everything and exits 1.
 - **Stop**: on SIGINT/SIGTERM every child gets SIGTERM, then SIGKILL after
-  ``--stop-timeout`` (default 8 s); the local etcd/NATS it started go last. Children
+  ``--stop-timeout`` (default 8 s), and whatever is left in each child's process group
+  (e.g. a vLLM engine core) is killed; the local etcd/NATS it started go last. Children
   also get SIGTERM from the kernel if the supervisor itself dies (they set PDEATHSIG
   themselves: no ``preexec_fn``, because forking a process that runs gRPC threads
   (the etcd client) crashes the child).
@@ -180,7 +181,7 @@ class Supervisor:
             "--component", child.component, "--index", str(child.index),
             "--parent-pid", str(os.getpid()),
             env=child.env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
+            stderr=asyncio.subprocess.STDOUT, start_new_session=True,
         )
         child.pump = asyncio.create_task(_pump(child))
         log.info("started %s pid=%d", child.label, child.proc.pid)
@@ -252,6 +253,7 @@ class Supervisor:
         assert child.proc is not None
         code = child.proc.returncode
         log.error("%s (pid %d) exited with code %s", child.label, child.proc.pid, code)
+        _sweep(child)
         now = time.monotonic()
         child.restarts = [t for t in child.restarts if now - t < RESTART_WINDOW]
         if self.opts.restart == "never" or len(child.restarts) >= self.opts.max_restarts:
@@ -288,9 +290,20 @@ class Supervisor:
             if pending:
                 await asyncio.wait(pending, timeout=5)
         for c in self.children:
+            _sweep(c)
             if c.pump is not None:
                 with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
                     await asyncio.wait_for(c.pump, 2)
+
+
+def _sweep(child: Child) -> None:
+    """SIGKILL whatever is left in the child's process group (e.g. an engine core that
+    outlived a killed worker). Each child leads its own group (start_new_session)."""
+    if child.proc is None:
+        return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(child.proc.pid, signal.SIGKILL)
+        log.warning("%s left processes behind; killed its process group", child.label)
 
 
 async def _pump(child: Child) -> None:

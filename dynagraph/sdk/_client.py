@@ -9,6 +9,7 @@ calls exactly that instance. Each returns an async iterator of responses; closin
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import random as _random
 from collections.abc import AsyncIterator, Callable
@@ -69,6 +70,16 @@ class EndpointClient:
         with contextlib.suppress(Exception):
             await wait_for(1, timeout=self.wait_timeout)
 
+    async def _await_new(self, failed: set[int]) -> list[Any]:
+        """Every known instance refused: a replacement may be registering right now."""
+        deadline = asyncio.get_running_loop().time() + self.wait_timeout
+        while asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+            live = [i for i in self._source.instances() if i.instance_id not in failed]
+            if live:
+                return live
+        return []
+
     async def direct(self, request: Any, instance_id: int, *,
                      headers: dict[str, str] | None = None) -> AsyncIterator[Any]:
         for inst in self._source.instances():
@@ -92,6 +103,8 @@ class EndpointClient:
         await self._await_any()
         while True:
             live = [i for i in self._source.instances() if i.instance_id not in failed]
+            if not live and failed:
+                live = await self._await_new(failed)
             if not live:
                 what = "reachable " if failed else ""
                 raise NoInstancesError(f"no {what}instance of {self.component}/{self.endpoint}")

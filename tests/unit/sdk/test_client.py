@@ -58,7 +58,8 @@ async def test_round_robin_alternates_over_live_instances() -> None:
 
 async def test_retry_on_unreachable_instance_then_no_instances() -> None:
     caller = FakeCaller(dead={"addr1"})
-    c = EndpointClient(caller, Source(1, 2), "W", "generate", rng=random.Random(0))
+    c = EndpointClient(caller, Source(1, 2), "W", "generate", rng=random.Random(0),
+                       wait_timeout=0.1)
     for _ in range(5):
         assert await collect(c.random("p")) == ["addr2", "p"]
     caller.dead.add("addr2")
@@ -119,7 +120,7 @@ class LateSource(Source):
         super().__init__()
         self.waited = 0
 
-    async def wait_for(self, count: int = 1, timeout: float = 10.0) -> list[Inst]:
+    async def wait_for(self, count: int = 1, timeout: float = 10.0) -> list[Inst]:  # noqa: ASYNC109
         self.waited += 1
         self.live = [Inst(5, "addr5")]
         return self.live
@@ -130,3 +131,19 @@ async def test_waits_briefly_for_a_first_instance() -> None:
     c = EndpointClient(FakeCaller(), src, "W", "generate")
     assert await collect(c.round_robin("p")) == ["addr5", "p"]
     assert src.waited == 1
+
+
+async def test_a_replacement_registering_while_all_refuse_is_used() -> None:
+    import asyncio
+
+    src = Source(1)
+    caller = FakeCaller(dead={"addr1"})
+    c = EndpointClient(caller, src, "W", "generate", wait_timeout=2.0)
+
+    async def replace() -> None:
+        await asyncio.sleep(0.1)
+        src.live = [Inst(1, "addr1"), Inst(2, "addr2")]
+
+    task = asyncio.create_task(replace())
+    assert await collect(c.round_robin("p")) == ["addr2", "p"]
+    await task
