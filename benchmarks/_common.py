@@ -181,7 +181,9 @@ class ManagedProcess:
             self.lines.append(raw.decode(errors="replace").rstrip("\n"))
 
     def output(self, tail: int = 40) -> str:
-        return "\n".join(self.lines[-tail:])
+        """The last ``tail`` lines, preceded by earlier lines that mention an error."""
+        early = [s for s in self.lines[:-tail] if "Error" in s or "ERROR" in s][-20:]
+        return "\n".join([*early, *(["..."] if early else []), *self.lines[-tail:]])
 
     def wait_line(self, predicate: Callable[[str], bool], timeout: float) -> tuple[str, float]:
         """The first line matching ``predicate`` and when it was read (monotonic)."""
@@ -203,15 +205,20 @@ class ManagedProcess:
         raise TimeoutError(f"{self.name}: expected line not seen ({why}); "
                            f"last output:\n{self.output()}")
 
-    def stop(self, timeout: float = 20.0, sig: int = signal.SIGTERM) -> tuple[int | None, float]:
-        """Signal the group, wait for the leader; SIGKILL the group if needed.
+    def stop(self, timeout: float = 20.0, sig: int = signal.SIGTERM, *,
+             leader_only: bool = False) -> tuple[int | None, float]:
+        """Signal the group (or only its leader, as ``kill PID`` would), wait for the
+        leader; SIGKILL the whole group afterwards in any case.
 
         Returns (exit code, seconds from the signal to the leader's exit).
         """
         t0 = time.monotonic()
         if self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.pid, sig)
+                if leader_only:
+                    os.kill(self.pid, sig)
+                else:
+                    os.killpg(self.pid, sig)
             try:
                 self.proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
@@ -250,6 +257,22 @@ def _proc_label(p: Any) -> str:
     name = p.name()
     return name if name not in ("python", "python3", "python3.11") else os.path.basename(
         next((a for a in cmd[1:] if not a.startswith("-")), name))
+
+
+def wait_quiet(pids: Sequence[int], *, window: float = 0.5, max_cpu: float = 0.05,
+               timeout: float = 10.0) -> float:
+    """Wait until the process trees of ``pids`` together use < ``max_cpu`` CPU seconds
+    in one ``window`` (vLLM's CPU worker keeps spinning a while after work). Returns the
+    seconds waited (``timeout`` if they never went quiet)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        before = [process_tree_cpu(p) for p in pids]
+        time.sleep(window)
+        used = sum(sum(cpu_delta(b, process_tree_cpu(p)).values()) for b, p in zip(before, pids,
+                                                                                   strict=True))
+        if used < max_cpu:
+            break
+    return time.monotonic() - t0
 
 
 def cpu_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:

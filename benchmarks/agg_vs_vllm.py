@@ -1,20 +1,27 @@
 """The agg graph against vLLM's own OpenAI server: same model, same engine settings.
 
-    python benchmarks/agg_vs_vllm.py [--rounds 2] [--only ours|vllm]
+    python benchmarks/agg_vs_vllm.py [--rounds 3] [--only ours|vllm]
 
-Each round starts each server in turn (the order alternates between rounds), warms
-it up, then drives a bounded streaming load over ``/v1/completions`` on 127.0.0.1:
+Both servers are started (one after the other) and stay up for the whole run; only
+one is driven at a time, so a shared machine's background load hits both alike. After
+a warm-up of each, a bounded streaming load over ``/v1/completions`` on 127.0.0.1:
 
-  (a) latency: ``--ttft-requests`` sequential requests (concurrency 1), a
-      ``--prompt-tokens`` token prompt, ``--ttft-output`` tokens (ignore_eos): TTFT p50/p99;
-  (b) throughput: ``--tput-requests`` requests with ``--concurrency`` in flight,
-      ``--tput-output`` tokens each (ignore_eos): output tokens/s, TPOT and ITL p50, TTFT.
+  (a) latency: ``--ttft-requests`` sequential requests (concurrency 1) in blocks of
+      ``--ttft-block``, each block sent to one server then to the other (the order
+      alternates), a ``--prompt-tokens`` token prompt, ``--ttft-output`` tokens
+      (ignore_eos): TTFT p50/p99 and the paired per-request TTFT difference;
+  (b) throughput, ``--rounds`` times per server (the order alternates):
+      ``--tput-requests`` requests with ``--concurrency`` in flight, ``--tput-output``
+      tokens each (ignore_eos): output tokens/s (median over rounds), TPOT, ITL, TTFT.
 
-Prompts are random token ids (seeded, one per request, the same for both servers in
-a round), so the prefix cache never hits. Both servers run vLLM v1 with its engine core
+Prompts are random token ids (seeded, one per request, the same for both servers), so
+a server's prefix cache never hits. Before each block and round the script waits until
+both servers are quiet: vLLM's CPU worker keeps spinning up to ~1 s after its last
+step, which would otherwise steal CPU from the server driven next. Both servers run vLLM v1 with its engine core
 in a child process, ``--block-size 32``, ``--max-model-len``, ``--max-num-seqs``, a
 1 GiB KV cache, eager mode, prefix caching on, stat logging off, no access log. The
-CPU seconds each process used during (b) are recorded (``cpu_s``). Every process
+CPU seconds each process used during (b) are recorded (``cpu_s``), and so is what the
+idle server used meanwhile. Every process
 started is stopped through its process group, also on failure.
 
 Targets (issue 3): output tokens/s at 16 streams >= 0.9x vLLM's; TTFT p50 overhead
@@ -33,6 +40,7 @@ import statistics
 import sys
 import time
 import urllib.request
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,11 +49,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks._common import (  # noqa: E402
     REPO,
     ManagedProcess,
+    StreamResult,
     cpu_delta,
     load_average,
     machine_info,
+    percentile,
     process_tree_cpu,
     run_load,
+    stream_request,
+    stream_stats,
+    summarize,
+    wait_quiet,
     write_results,
 )
 from dynagraph.runtime.infra import free_port  # noqa: E402
@@ -94,6 +108,16 @@ def start_ours(model: Path, args: argparse.Namespace) -> tuple[ManagedProcess, s
     return proc, m.group(1)
 
 
+def rpc_addresses(proc: ManagedProcess) -> dict[str, str]:
+    """Component name -> request-plane address, from the ready banner."""
+    out: dict[str, str] = {}
+    for line in proc.lines:
+        m = re.match(r"\s+(\w+)\[0\] pid=\d+ rpc=(\S+)", line)
+        if m:
+            out[m.group(1)] = m.group(2)
+    return out
+
+
 def start_vllm(model: Path, args: argparse.Namespace) -> tuple[ManagedProcess, str]:
     """vLLM's own OpenAI server (``python -m vllm.entrypoints.openai.api_server``)."""
     port = free_port()
@@ -139,69 +163,171 @@ def bodies(n: int, prompt_tokens: int, output_tokens: int, seed: int) -> list[di
     } for _ in range(n)]
 
 
-def measure(system: str, url: str, pid: int, args: argparse.Namespace, seed: int
-            ) -> dict[str, Any]:
-    endpoint = f"{url}/v1/completions"
-    warm = bodies(args.concurrency, args.prompt_tokens, 16, seed + 1000)
-    asyncio.run(run_load(endpoint, warm, args.concurrency))
-    asyncio.run(run_load(endpoint, warm[:4], 1))
-    out: dict[str, Any] = {"system": system}
+def _check(system: str, phase: str, stats: dict[str, Any]) -> None:
+    if stats["errors"]:
+        raise RuntimeError(f"{system} {phase}: {stats['errors']} failed requests, "
+                           f"first: {stats['first_error']}")
 
-    out["load_before_latency"] = load_average()
-    lat = asyncio.run(run_load(
-        endpoint, bodies(args.ttft_requests, args.prompt_tokens, args.ttft_output, seed + 1), 1))
-    out["latency"] = lat
 
-    out["load_before_throughput"] = load_average()
-    cpu0 = process_tree_cpu(pid)
-    tput = asyncio.run(run_load(
-        endpoint, bodies(args.tput_requests, args.prompt_tokens, args.tput_output, seed + 2),
-        args.concurrency))
-    out["cpu_s"] = cpu_delta(cpu0, process_tree_cpu(pid))
-    out["throughput"] = tput
-    out["load_after"] = load_average()
-    for name, phase in (("latency", lat), ("throughput", tput)):
-        if phase["errors"]:
-            raise RuntimeError(f"{system} {name}: {phase['errors']} failed requests, "
-                               f"first: {phase['first_error']}")
-    log.info("%s: TTFT p50 %.1f ms p99 %.1f ms | %d streams: %.0f tok/s, TPOT p50 %.2f ms "
-             "(load %.2f)", system, lat["ttft_ms"]["p50"], lat["ttft_ms"]["p99"],
-             args.concurrency, tput["output_tokens_per_s"], tput["tpot_ms"]["p50"],
-             out["load_after"])
+Caller = Callable[[dict[str, Any]], Awaitable[StreamResult]]
+
+
+def http_caller(session: Any, url: str) -> Caller:
+    async def call(body: dict[str, Any]) -> StreamResult:
+        return await stream_request(session, f"{url}/v1/completions", body, 120.0)
+    return call
+
+
+def rpc_caller(client: Any, address: str, component: str) -> Caller:
+    """Calls our Processor or VllmWorker directly over the request plane (no HTTP)."""
+    from dynagraph.llm.protocol import (
+        CompletionRequest,
+        OpenAIRequestEnvelope,
+        PreprocessedRequest,
+        SamplingParams,
+    )
+
+    counter = [0]
+
+    async def call(body: dict[str, Any]) -> StreamResult:
+        counter[0] += 1
+        rid = f"bench-{component}-{counter[0]}"
+        if component == "VllmWorker":
+            payload = PreprocessedRequest(
+                request_id=rid, token_ids=list(body["prompt"]),
+                sampling=SamplingParams(max_tokens=body["max_tokens"], temperature=0.0,
+                                        ignore_eos=True)).to_wire()
+        else:
+            req = CompletionRequest.model_validate(
+                {k: v for k, v in body.items() if k != "stream_options"})
+            payload = OpenAIRequestEnvelope.wrap(req, rid).to_wire()
+        res = StreamResult(start=time.perf_counter())
+        n = 0
+        async for item in client.call(address, "generate", payload,
+                                      headers={"x-request-id": rid}):
+            k = len(item.get("token_ids") or []) if component == "VllmWorker" else (
+                1 if item.get("text") else 0)
+            if k:
+                res.chunk_times.append(time.perf_counter() - res.start)
+                n += k
+        res.end = time.perf_counter() - res.start
+        res.completion_tokens = n
+        return res
+    return call
+
+
+async def latency_interleaved(targets: dict[str, str], rpc: dict[str, tuple[str, str]],
+                              pids: list[int], requests: list[dict[str, Any]], block: int
+                              ) -> dict[str, list[StreamResult]]:
+    """Blocks of ``block`` sequential requests, sent to each target in turn (the order
+    alternates), waiting for the servers to be quiet between blocks.
+
+    ``targets``: name -> HTTP base URL; ``rpc``: name -> (address, component) of our
+    components called directly over the request plane.
+    """
+    import aiohttp
+
+    from dynagraph.runtime.rpc import RpcClient
+
+    sessions = [aiohttp.ClientSession() for _ in targets]
+    client = RpcClient()
+    callers: dict[str, Caller] = {n: http_caller(sess, url)
+                                  for (n, url), sess in zip(targets.items(), sessions, strict=True)}
+    callers.update({n: rpc_caller(client, addr, comp) for n, (addr, comp) in rpc.items()})
+    names = list(callers)
+    out: dict[str, list[StreamResult]] = {n: [] for n in names}
+    try:
+        for k, start in enumerate(range(0, len(requests), block)):
+            for n in names if k % 2 == 0 else list(reversed(names)):
+                await asyncio.to_thread(wait_quiet, pids)
+                for body in requests[start:start + block]:
+                    try:
+                        out[n].append(await callers[n](body))
+                    except Exception as exc:  # noqa: BLE001 - recorded and reported
+                        out[n].append(StreamResult(start=0.0, error=repr(exc)))
+    finally:
+        for sess in sessions:
+            await sess.close()
+        await client.close()
     return out
 
 
-def run_one(system: str, model: Path, args: argparse.Namespace, seed: int) -> dict[str, Any]:
-    t0 = time.monotonic()
-    proc, url = (start_ours if system == "ours" else start_vllm)(model, args)
-    ready = time.monotonic() - t0
-    try:
-        result = measure(system, url, proc.pid, args, seed)
-        result["ready_s"] = ready
-        return result
-    finally:
-        code, took = proc.stop()
-        log.info("%s stopped (exit %s) in %.1fs", system, code, took)
+def measure(servers: dict[str, tuple[ManagedProcess, str]], args: argparse.Namespace
+            ) -> dict[str, Any]:
+    """Warm up, then latency (interleaved blocks), then throughput rounds."""
+    urls = {n: url for n, (_, url) in servers.items()}
+    rpc: dict[str, tuple[str, str]] = {}
+    if "ours" in servers and not args.no_hops:
+        addrs = rpc_addresses(servers["ours"][0])
+        rpc = {f"ours@{c}": (addrs[c], c) for c in ("Processor", "VllmWorker") if c in addrs}
+    pids = {n: proc.pid for n, (proc, _) in servers.items()}
+    names = list(servers)
+    for n in names:
+        warm = bodies(args.concurrency, args.prompt_tokens, 16, 1000)
+        _check(n, "warm-up", asyncio.run(run_load(f"{urls[n]}/v1/completions", warm,
+                                                   args.concurrency)))
+        _check(n, "warm-up", asyncio.run(run_load(f"{urls[n]}/v1/completions", warm[:4], 1)))
+
+    load_lat = load_average()
+    t0 = time.perf_counter()
+    lat_raw = asyncio.run(latency_interleaved(
+        urls, rpc, list(pids.values()),
+        bodies(args.ttft_requests, args.prompt_tokens, args.ttft_output, 1), args.ttft_block))
+    lat_wall = time.perf_counter() - t0
+    latency = {n: stream_stats(r, lat_wall) for n, r in lat_raw.items()}
+    for n in latency:
+        _check(n, "latency", latency[n])
+    paired = [(a.chunk_times[0] - b.chunk_times[0]) * 1000.0
+              for a, b in zip(lat_raw["ours"], lat_raw["vllm"], strict=True)
+              if a.chunk_times and b.chunk_times] if set(names) == {"ours", "vllm"} else []
+    log.info("latency (load %.2f): %s; paired TTFT difference p50 %.2f ms", load_lat,
+             ", ".join(f"{n} TTFT p50 {latency[n]['ttft_ms']['p50']:.1f} ms "
+                       f"p99 {latency[n]['ttft_ms']['p99']:.1f} ms" for n in latency),
+             percentile(paired, 50))
+
+    rounds: list[dict[str, Any]] = []
+    for rnd in range(args.rounds):
+        order = names if rnd % 2 == 0 else list(reversed(names))
+        reqs = bodies(args.tput_requests, args.prompt_tokens, args.tput_output, 100 + rnd)
+        for n in order:
+            quiet_s = wait_quiet(list(pids.values()))
+            load = load_average()
+            cpu0 = {m: process_tree_cpu(pid) for m, pid in pids.items()}
+            stats = asyncio.run(run_load(f"{urls[n]}/v1/completions", reqs, args.concurrency))
+            cpu = {m: cpu_delta(cpu0[m], process_tree_cpu(pid)) for m, pid in pids.items()}
+            _check(n, "throughput", stats)
+            idle = {m: round(sum(c.values()), 3) for m, c in cpu.items() if m != n}
+            rounds.append({"round": rnd + 1, "system": n, "loadavg_1m": load, "stats": stats,
+                           "cpu_s": cpu[n], "idle_servers_cpu_s": idle,
+                           "idle_server_cpu_detail": {m: c for m, c in cpu.items() if m != n},
+                           "waited_for_quiet_s": round(quiet_s, 2)})
+            log.info("round %d %s: %.0f tok/s, TPOT p50 %.2f ms, TTFT p50 %.1f ms "
+                     "(load %.2f; idle server used %s CPU s)", rnd + 1, n,
+                     stats["output_tokens_per_s"], stats["tpot_ms"]["p50"],
+                     stats["ttft_ms"]["p50"], load, idle)
+    return {"latency": latency, "latency_loadavg_1m": load_lat,
+            "paired_ttft_diff_ms": summarize(paired), "throughput_rounds": rounds}
 
 
-def aggregate(runs: list[dict[str, Any]], system: str) -> dict[str, float]:
-    mine = [r for r in runs if r["system"] == system]
-    if not mine:
+def aggregate(m: dict[str, Any], system: str) -> dict[str, float]:
+    if system not in m["latency"]:
         return {}
+    lat = m["latency"][system]
+    mine = [r for r in m["throughput_rounds"] if r["system"] == system]
 
     def med(f: Any) -> float:
-        return statistics.median(f(r) for r in mine)
+        return statistics.median(f(r["stats"]) for r in mine)
 
     return {
-        "ttft_p50_ms": med(lambda r: r["latency"]["ttft_ms"]["p50"]),
-        "ttft_p99_ms": med(lambda r: r["latency"]["ttft_ms"]["p99"]),
-        "latency_itl_p50_ms": med(lambda r: r["latency"]["itl_ms"]["p50"]),
-        "tokens_per_s": med(lambda r: r["throughput"]["output_tokens_per_s"]),
-        "tput_itl_p50_ms": med(lambda r: r["throughput"]["itl_ms"]["p50"]),
-        "tput_tpot_p50_ms": med(lambda r: r["throughput"]["tpot_ms"]["p50"]),
-        "latency_tpot_p50_ms": med(lambda r: r["latency"]["tpot_ms"]["p50"]),
-        "tput_ttft_p50_ms": med(lambda r: r["throughput"]["ttft_ms"]["p50"]),
-        "loadavg_1m": med(lambda r: r["load_before_throughput"]),
+        "ttft_p50_ms": lat["ttft_ms"]["p50"],
+        "ttft_p99_ms": lat["ttft_ms"]["p99"],
+        "latency_tpot_p50_ms": lat["tpot_ms"]["p50"],
+        "tokens_per_s": med(lambda s: s["output_tokens_per_s"]),
+        "tokens_per_s_rounds": [r["stats"]["output_tokens_per_s"] for r in mine],  # type: ignore[dict-item]
+        "tput_itl_p50_ms": med(lambda s: s["itl_ms"]["p50"]),
+        "tput_tpot_p50_ms": med(lambda s: s["tpot_ms"]["p50"]),
+        "tput_ttft_p50_ms": med(lambda s: s["ttft_ms"]["p50"]),
+        "loadavg_1m": statistics.median(r["loadavg_1m"] for r in mine),
     }
 
 
@@ -226,14 +352,18 @@ def markdown(result: dict[str, Any], args: argparse.Namespace) -> str:
         f"process for both. Prompts {args.prompt_tokens} random token ids; "
         f"(a) {args.ttft_requests} sequential requests x {args.ttft_output} tokens; "
         f"(b) {args.tput_requests} requests x {args.tput_output} tokens at "
-        f"{args.concurrency} concurrent streams; ignore_eos. Median of {args.rounds} "
-        "round(s), server order alternating.",
+        f"{args.concurrency} concurrent streams, {args.rounds} rounds per server (median); "
+        "ignore_eos. Both servers up for the whole run, driven one at a time, order "
+        "alternating.",
         "",
         "| metric | ours (agg graph) | vLLM server | ours / vLLM | target |",
         "| --- | --- | --- | --- | --- |",
         f"| TTFT p50, concurrency 1 (ms) | {fmt(o, 'ttft_p50_ms', '.1f')} | "
         f"{fmt(v, 'ttft_p50_ms', '.1f')} | overhead {result['ttft_overhead_ms']:+.1f} ms | "
         f"overhead <= {TARGET_TTFT_OVERHEAD_MS:.0f} ms |",
+        f"| TTFT ours - vLLM, same prompt, p50 / p90 (ms) | | | "
+        f"{result['paired_ttft_diff_ms']['p50']:+.1f} / {result['paired_ttft_diff_ms']['p90']:+.1f}"
+        " | |",
         f"| TTFT p99, concurrency 1 (ms) | {fmt(o, 'ttft_p99_ms', '.1f')} | "
         f"{fmt(v, 'ttft_p99_ms', '.1f')} | {ratio('ttft_p99_ms')} | |",
         f"| output tokens/s, {args.concurrency} streams | {fmt(o, 'tokens_per_s', ',.0f')} | "
@@ -250,14 +380,37 @@ def markdown(result: dict[str, Any], args: argparse.Namespace) -> str:
         f"| 1-min load average during (b) | {fmt(o, 'loadavg_1m', '.2f')} | "
         f"{fmt(v, 'loadavg_1m', '.2f')} | | |",
         "",
+        f"1-min load average during (a): {result['measured']['latency_loadavg_1m']:.2f}. "
+        "Output tokens/s per round: "
+        + "; ".join(f"{n} " + ", ".join(f"{x:,.0f}" for x in d.get("tokens_per_s_rounds", []))
+                    for n, d in result["summary"].items() if d) + ".",
+        "",
+        "Start-up to ready: " + ", ".join(f"{n} {t:.1f} s" for n, t in result["ready_s"].items())
+        + "; SIGTERM to the main process until it exited: "
+        + ", ".join(f"{n} {t:.1f} s" for n, t in result["stop_s"].items()) + ".",
+        "",
         "CPU seconds per process during (b), per round:",
         "",
     ]
-    for r in result["runs"]:
+    hops = result["measured"]["latency"]
+    hop_lines = ["", "TTFT at concurrency 1 where it is measured (same requests, same blocks): "
+                 "directly at our VllmWorker and Processor over the request plane, through "
+                 "our Frontend (HTTP), and vLLM's server (HTTP):", "",
+                 "| measured at | TTFT p50 (ms) | TTFT p90 (ms) | TPOT p50 (ms) |",
+                 "| --- | --- | --- | --- |"]
+    for name in ("ours@VllmWorker", "ours@Processor", "ours", "vllm"):
+        if name in hops:
+            h = hops[name]
+            hop_lines.append(f"| {name} | {h['ttft_ms']['p50']:.1f} | {h['ttft_ms']['p90']:.1f} "
+                             f"| {h['tpot_ms']['p50']:.2f} |")
+    for r in result["measured"]["throughput_rounds"]:
         parts = ", ".join(f"{k.rsplit(':', 1)[0]} {s:.2f}" for k, s in
                           sorted(r["cpu_s"].items(), key=lambda kv: -kv[1]) if s >= 0.05)
         lines.append(f"- round {r['round']} {r['system']}: {parts} "
-                     f"(wall {r['throughput']['wall_s']:.2f} s)")
+                     f"(wall {r['stats']['wall_s']:.2f} s; idle server "
+                     f"{sum(r['idle_servers_cpu_s'].values()):.2f})")
+    if len(hop_lines) > 5:
+        lines += hop_lines
     lines.append("")
     return "\n".join(lines)
 
@@ -265,17 +418,21 @@ def markdown(result: dict[str, Any], args: argparse.Namespace) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="models/tiny-llama")
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--only", choices=["ours", "vllm"], default=None)
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--ttft-requests", type=int, default=30)
     p.add_argument("--ttft-output", type=int, default=32)
+    p.add_argument("--ttft-block", type=int, default=5,
+                   help="latency requests per server before switching to the other")
     p.add_argument("--tput-requests", type=int, default=64)
     p.add_argument("--tput-output", type=int, default=128)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--start-timeout", type=float, default=240.0)
+    p.add_argument("--no-hops", action="store_true",
+                   help="skip the direct request-plane calls of our Processor and VllmWorker")
     p.add_argument("--no-write", action="store_true", help="print only; keep result files")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -284,26 +441,43 @@ def main(argv: list[str] | None = None) -> int:
 
     model = ensure_model(REPO / args.model)
     info = machine_info()
-    runs: list[dict[str, Any]] = []
     systems = [args.only] if args.only else ["ours", "vllm"]
-    for rnd in range(args.rounds):
-        order = systems if rnd % 2 == 0 else list(reversed(systems))
-        for system in order:
-            r = run_one(system, model, args, seed=rnd * 10)
-            r["round"] = rnd + 1
-            runs.append(r)
-    summary = {"ours": aggregate(runs, "ours"), "vllm": aggregate(runs, "vllm")}
+    servers: dict[str, tuple[ManagedProcess, str]] = {}
+    ready: dict[str, float] = {}
+    try:
+        for system in systems:  # one after the other: start-up is CPU-bound
+            t0 = time.monotonic()
+            starter = start_ours if system == "ours" else start_vllm
+            try:
+                servers[system] = starter(model, args)
+            except (RuntimeError, TimeoutError) as exc:  # a shared machine: one more try
+                log.warning("%s failed to start, trying once more: %s", system, exc)
+                t0 = time.monotonic()
+                servers[system] = starter(model, args)
+            ready[system] = time.monotonic() - t0
+            log.info("%s ready in %.1f s at %s", system, ready[system], servers[system][1])
+        measured = measure(servers, args)
+    finally:
+        stopped: dict[str, float] = {}
+        for system, (proc, _) in servers.items():
+            code, stopped[system] = proc.stop(timeout=30, leader_only=True)
+            log.info("%s stopped (exit %s) in %.1f s after SIGTERM to its main process",
+                     system, code, stopped[system])
+    summary = {"ours": aggregate(measured, "ours"), "vllm": aggregate(measured, "vllm")}
     o, v = summary["ours"], summary["vllm"]
     result: dict[str, Any] = {
         "command": "python benchmarks/agg_vs_vllm.py " + " ".join(argv or sys.argv[1:]),
         "machine": info,
         "settings": {k: v for k, v in vars(args).items() if k != "no_write"},
+        "ready_s": ready,
+        "stop_s": stopped,
         "summary": summary,
         "tokens_per_s_ratio": o["tokens_per_s"] / v["tokens_per_s"] if o and v else None,
         "ttft_overhead_ms": o["ttft_p50_ms"] - v["ttft_p50_ms"] if o and v else float("nan"),
+        "paired_ttft_diff_ms": measured["paired_ttft_diff_ms"],
         "targets": {"tokens_per_s_ratio": TARGET_TPUT_RATIO,
                     "ttft_overhead_ms": TARGET_TTFT_OVERHEAD_MS},
-        "runs": runs,
+        "measured": measured,
     }
     md = markdown(result, args)
     print(md)
