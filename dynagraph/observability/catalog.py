@@ -79,8 +79,8 @@ CATALOG: tuple[MetricSpec, ...] = (
        ("worker",), WORKER),
     _m("dynamo_worker_requests_waiting", "gauge", "Requests queued in the engine.",
        ("worker",), WORKER),
-    _m("dynamo_worker_kv_blocks_used", "gauge", "KV cache blocks in use.", ("worker",), WORKER),
-    _m("dynamo_worker_kv_blocks_total", "gauge", "KV cache blocks in the engine.",
+    _m("dynamo_worker_kv_used_blocks", "gauge", "KV cache blocks in use.", ("worker",), WORKER),
+    _m("dynamo_worker_kv_total_blocks", "gauge", "KV cache blocks in the engine.",
        ("worker",), WORKER),
     _m("dynamo_worker_kv_cache_usage_ratio", "gauge", "Fraction of KV cache blocks in use (0-1).",
        ("worker",), WORKER),
@@ -156,12 +156,7 @@ INFRA_METRICS: dict[str, str] = {
     "scrape_duration_seconds": "prometheus",
 }
 
-PENDING_RENAMES: dict[str, str] = {
-    # A gauge must not end in _total (promtool: 'non-counter metrics should not have
-    # "_total" suffix'). Dynamo calls this kv_total_blocks. Rename it in
-    # dynagraph/llm/worker_metrics.py, here and in the dashboards, then drop this entry.
-    "dynamo_worker_kv_blocks_total": "dynamo_worker_kv_total_blocks",
-}
+PENDING_RENAMES: dict[str, str] = {}
 """Catalogued names known to break a convention, and the name each should take."""
 
 BY_NAME: dict[str, MetricSpec] = {m.name: m for m in CATALOG}
