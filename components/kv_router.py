@@ -33,11 +33,12 @@ import asyncio
 import contextlib
 import logging
 import random
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import msgspec
-from prometheus_client import Counter, Gauge
+from prometheus_client import Counter, Gauge, Histogram
 from pydantic import BaseModel, ConfigDict, Field
 
 from components.worker import VllmWorker
@@ -53,6 +54,7 @@ from dynagraph.llm.router import (
     WorkerLoad,
     choose_worker,
 )
+from dynagraph.observability._build import LATENCY_BUCKETS
 from dynagraph.sdk import async_on_shutdown, async_on_start, depends, endpoint, service, spec_of
 
 log = logging.getLogger(__name__)
@@ -67,6 +69,9 @@ REQUEST_BLOCKS = Counter("dynamo_router_request_blocks",
 INDEX_BLOCKS = Gauge("dynamo_router_index_blocks", "Blocks the index holds per worker.",
                      ["worker"])
 KV_BATCHES = Counter("dynamo_router_kv_event_batches", "KV event batches applied.", ["worker"])
+DECISION_SECONDS = Histogram("dynamo_router_decision_seconds",
+                             "Time to choose a worker for one request (index lookup + cost)",
+                             buckets=LATENCY_BUCKETS)
 
 
 def _kebab(name: str) -> str:
@@ -355,7 +360,9 @@ class Router:
 
     @endpoint()
     async def generate(self, request: RouteRequest) -> AsyncIterator[dict[str, Any]]:
+        t0 = time.perf_counter()
         decision, hashes, mode = self.route(request.token_ids, request.mode)
+        DECISION_SECONDS.observe(time.perf_counter() - t0)
         w = decision.worker_id
         log.debug("route %d blocks -> %x (overlap %d, mode %s)", len(hashes), w,
                   decision.overlap_blocks, mode)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator
 from typing import Any, Literal
@@ -41,9 +42,16 @@ from dynagraph.llm.preprocess import Preprocessor
 from dynagraph.llm.protocol import OpenAIRequestEnvelope
 from dynagraph.llm.router import RouterMode
 from dynagraph.llm.tokenizer import Tokenizer
+from dynagraph.observability.processor_metrics import ProcessorMetrics
 from dynagraph.sdk import depends, endpoint, service
 
 log = logging.getLogger(__name__)
+
+
+@functools.cache
+def _metrics() -> ProcessorMetrics:
+    """One set per process: the default registry refuses a second registration."""
+    return ProcessorMetrics()
 
 
 def _kebab(name: str) -> str:
@@ -73,6 +81,7 @@ class Processor:
         self.preprocessor = Preprocessor(Tokenizer.from_dir(config.model),
                                          max_model_len=config.max_model_len)
         self._rr = 0
+        self.metrics = _metrics()
         self.use_router = config.router_mode in ("kv", "kv-load")
         if self.use_router and getattr(self, "router", None) is None:
             log.warning("router-mode %s needs a Router in the graph; routing round robin",
@@ -81,17 +90,23 @@ class Processor:
 
     @endpoint()
     async def generate(self, request: OpenAIRequestEnvelope) -> AsyncIterator[dict[str, Any]]:
-        pre = self.preprocessor.preprocess(request.unwrap(), request.request_id)
-        detok = self.preprocessor.detokenizer(pre)
-        if self.use_router:
-            stream = self._routed(pre.to_wire(), pre.token_ids)
-        elif self.config.router_mode == "random":
-            stream = self.worker.random(pre.to_wire())
-        else:
-            stream = self.worker.generate(pre.to_wire())
-        async with contextlib.aclosing(detokenize_stream(detok, stream)) as chunks:
-            async for chunk in chunks:
-                yield chunk.to_wire()
+        timer = self.metrics.request()
+        try:
+            with timer.tokenizing():
+                pre = self.preprocessor.preprocess(request.unwrap(), request.request_id)
+            detok = timer.timed(self.preprocessor.detokenizer(pre))
+            timer.dispatched()
+            if self.use_router:
+                stream = self._routed(pre.to_wire(), pre.token_ids)
+            elif self.config.router_mode == "random":
+                stream = self.worker.random(pre.to_wire())
+            else:
+                stream = self.worker.generate(pre.to_wire())
+            async with contextlib.aclosing(detokenize_stream(detok, stream)) as chunks:
+                async for chunk in chunks:
+                    yield chunk.to_wire()
+        finally:
+            timer.finished()
 
     async def _routed(self, wire: dict[str, Any], token_ids: list[int]) -> AsyncIterator[Any]:
         """The worker's stream for ``wire``, on the worker the Router picks."""
