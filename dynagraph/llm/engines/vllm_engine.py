@@ -264,7 +264,7 @@ class VllmEngine:
             handler.cancel()
             await asyncio.wait([handler], timeout=SHUTDOWN_TIMEOUT_S)
         try:
-            await asyncio.wait_for(asyncio.to_thread(llm.shutdown), SHUTDOWN_TIMEOUT_S)
+            await asyncio.wait_for(asyncio.to_thread(llm.shutdown, 1.0), SHUTDOWN_TIMEOUT_S)
         finally:
             reaper, self._reaper = self._reaper, None
             if reaper is not None:

@@ -52,6 +52,26 @@ async def test_connection_is_reused_by_sequential_calls(
     assert len(peers) == 1
 
 
+async def test_closing_at_the_last_item_keeps_the_connection_pooled(
+        server: RpcServer, client: RpcClient) -> None:
+    """A consumer that stops at its own end marker, just before END, reuses the socket."""
+    peers = set()
+    for _ in range(5):
+        stream = client.call(server.address, "echo", "x")
+        peers.add((await anext(stream))["peer"])
+        await stream.aclose()  # END not read yet
+    assert len(peers) == 1
+
+
+async def test_closing_mid_stream_still_cancels(server: RpcServer, client: RpcClient) -> None:
+    stream = client.call(server.address, "count", {"n": 10**9})
+    assert await anext(stream) == 0
+    t0 = time.monotonic()
+    await stream.aclose()
+    assert time.monotonic() - t0 < 0.5
+    assert await collect(client.call(server.address, "count", {"n": 3})) == [0, 1, 2]
+
+
 async def test_concurrent_calls_each_get_their_own_stream(
         server: RpcServer, client: RpcClient) -> None:
     results = await asyncio.gather(
