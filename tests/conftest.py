@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from dynagraph.runtime.infra import LocalService, start_etcd, start_nats
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL_DIR = REPO / "models" / "tiny-llama"
 
 
 @pytest.fixture(scope="session")
@@ -49,3 +53,11 @@ def nats_service() -> Iterator[LocalService | None]:
 def nats_url(nats_service: LocalService | None) -> str:
     """``nats://127.0.0.1:PORT`` of the session's NATS."""
     return nats_service.url if nats_service else os.environ["NATS_SERVER"]
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    """The tiny local Llama model (the README's path), built on first use (~2 minutes)."""
+    from dynagraph.llm.model_builder import ensure_model
+
+    return ensure_model(MODEL_DIR)

@@ -8,16 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from dynagraph.llm.model_builder import ensure_model
-from tests.support.serve import REPO, ServeProcess
+from tests.support.serve import ServeProcess
 
-MODEL_DIR = REPO / "models" / "tiny-llama"
 MAX_MODEL_LEN = 1024
-
-
-@pytest.fixture(scope="session")
-def model_dir() -> Path:
-    return ensure_model(MODEL_DIR)
 
 
 @pytest.fixture(scope="session")

@@ -8,28 +8,21 @@ from pathlib import Path
 
 import pytest
 
-from dynagraph.llm.model_builder import ensure_model
-from tests.support.serve import REPO, ServeProcess
+from tests.support.serve import ServeProcess
 
 from ._probe import GraphProbe
 
-MODEL_DIR = REPO / "models" / "tiny-llama"
 MAX_MODEL_LEN = 1024
 MODEL = "tiny-llama"
 
 
 @pytest.fixture(scope="session")
-def router_model_dir() -> Path:
-    return ensure_model(MODEL_DIR)
-
-
-@pytest.fixture(scope="session")
-def router_graph(router_model_dir: Path, etcd_url: str, nats_url: str) -> Iterator[ServeProcess]:
+def router_graph(model_dir: Path, etcd_url: str, nats_url: str) -> Iterator[ServeProcess]:
     env = {**os.environ, "ETCD_ENDPOINTS": etcd_url, "NATS_SERVER": nats_url,
            "PYTHONUNBUFFERED": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     sp = ServeProcess(
         ["graphs.agg_router:Frontend", "-f", "configs/agg_router.yaml", "--Frontend.port=0",
-         f"--Common.model={router_model_dir}", f"--Common.max-model-len={MAX_MODEL_LEN}",
+         f"--Common.model={model_dir}", f"--Common.max-model-len={MAX_MODEL_LEN}",
          "--VllmWorker.max-num-seqs=8"],
         env,
     )

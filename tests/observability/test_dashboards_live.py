@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 
-from dynagraph.llm.model_builder import ensure_model
 from dynagraph.observability import dashboards as dash
 from dynagraph.observability.catalog import PENDING_RENAMES
 from dynagraph.runtime.infra import LocalService
@@ -62,11 +61,6 @@ def panels_for(graph: str) -> list[dash.PanelQuery]:
         graphs = dash.panel_graphs(d, req[name])
         out += [q for q in dash.panel_queries(d, name) if graphs[q.title] == graph]
     return out
-
-
-@pytest.fixture(scope="module")
-def model_dir() -> Path:
-    return ensure_model(REPO / "models" / "tiny-llama")
 
 
 @pytest.fixture(scope="module", params=GRAPHS)

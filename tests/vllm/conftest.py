@@ -15,17 +15,8 @@ import pytest
 import pytest_asyncio
 
 from dynagraph.llm.engines.vllm_engine import VllmEngine, VllmEngineArgs
-from dynagraph.llm.model_builder import ensure_model
 
-REPO = Path(__file__).resolve().parents[2]
-TINY_MODEL_DIR = REPO / "models" / "tiny-llama"
 TEST_BLOCK_SIZE = 32
-
-
-@pytest.fixture(scope="session")
-def tiny_model() -> Path:
-    """Path of the tiny Llama model, built on first use (about two minutes)."""
-    return ensure_model(TINY_MODEL_DIR)
 
 
 @contextlib.contextmanager
@@ -54,11 +45,11 @@ def kv_events_endpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
-async def vllm_engine(tiny_model: Path, kv_events_endpoint: str) -> AsyncIterator[VllmEngine]:
+async def vllm_engine(model_dir: Path, kv_events_endpoint: str) -> AsyncIterator[VllmEngine]:
     """One started engine shared by the session's ``vllm`` tests (block size 32)."""
     engine = VllmEngine(
         VllmEngineArgs(
-            model=str(tiny_model),
+            model=str(model_dir),
             block_size=TEST_BLOCK_SIZE,
             max_model_len=8192,
             max_num_seqs=16,

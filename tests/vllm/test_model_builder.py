@@ -25,36 +25,36 @@ def sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def test_tiny_model_is_a_llama_with_long_context(tiny_model: Path) -> None:
-    assert is_complete(tiny_model)
-    config = json.loads((tiny_model / "config.json").read_text())
+def test_model_dir_is_a_llama_with_long_context(model_dir: Path) -> None:
+    assert is_complete(model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
     assert config["model_type"] == "llama"
     assert (config["hidden_size"], config["intermediate_size"]) == (256, 512)
     assert (config["num_hidden_layers"], config["num_attention_heads"]) == (4, 4)
     assert config["num_key_value_heads"] == 2
     assert config["max_position_embeddings"] >= 4096
     assert 1000 <= config["vocab_size"] <= 2048
-    info = json.loads((tiny_model / "dynagraph_build.json").read_text())
+    info = json.loads((model_dir / "dynagraph_build.json").read_text())
     assert info["steps_done"] > 0  # the shared model is trained
 
 
-def test_tokenizer_loads_with_auto_tokenizer(tiny_model: Path) -> None:
+def test_tokenizer_loads_with_auto_tokenizer(model_dir: Path) -> None:
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(tiny_model)
+    tok = AutoTokenizer.from_pretrained(model_dir)
     assert tok.bos_token == BOS and tok.bos_token_id == 0
     assert tok.eos_token == IM_END and tok.eos_token_id == 3
     ids = tok("Hello, world! Ünïcode too.").input_ids
     assert ids[0] == 0  # BOS is prepended
     assert tok.decode(ids, skip_special_tokens=True) == "Hello, world! Ünïcode too."
-    gen = json.loads((tiny_model / "generation_config.json").read_text())
+    gen = json.loads((model_dir / "generation_config.json").read_text())
     assert gen["eos_token_id"] == [3, 1]
 
 
-def test_chat_template(tiny_model: Path) -> None:
+def test_chat_template(model_dir: Path) -> None:
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(tiny_model)
+    tok = AutoTokenizer.from_pretrained(model_dir)
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": [{"type": "text", "text": "Hi"}]},

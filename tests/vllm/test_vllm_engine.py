@@ -230,13 +230,13 @@ async def test_duplicate_request_id_in_flight_is_rejected(vllm_engine: VllmEngin
 
 
 @pytest.mark.timeout(240)
-def test_engine_processes_die_with_a_sigkilled_owner(tiny_model: Path) -> None:
+def test_engine_processes_die_with_a_sigkilled_owner(model_dir: Path) -> None:
     """vLLM's engine core outlives a SIGKILLed parent unless the reaper ends it."""
     code = (
         "import asyncio, os, sys\n"
         "from dynagraph.llm.engines.vllm_engine import VllmEngine, VllmEngineArgs\n"
         "async def main():\n"
-        f"    engine = VllmEngine(VllmEngineArgs(model={str(tiny_model)!r}, block_size=32))\n"
+        f"    engine = VllmEngine(VllmEngineArgs(model={str(model_dir)!r}, block_size=32))\n"
         "    await engine.start()\n"
         "    print('PIDS', *engine._reaper.pids, flush=True)\n"
         "    await asyncio.sleep(120)\n"
