@@ -30,6 +30,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -145,22 +146,18 @@ class Supervisor:
             return None
 
     def _infra_env(self) -> dict[str, str]:
-        env: dict[str, str] = {}
-        etcd = os.environ.get("ETCD_ENDPOINTS")
-        if not etcd:
-            svc = start_etcd()
-            self.services.append(svc)
-            etcd = svc.url
-            log.info("ETCD_ENDPOINTS not set: started a local etcd at %s", etcd)
-        nats = os.environ.get("NATS_SERVER")
-        if not nats:
-            svc = start_nats()
-            self.services.append(svc)
-            nats = svc.url
-            log.info("NATS_SERVER not set: started a local nats-server at %s", nats)
-        env["ETCD_ENDPOINTS"] = etcd
-        env["NATS_SERVER"] = nats
-        return env
+        return {"ETCD_ENDPOINTS": self._service_url("ETCD_ENDPOINTS", start_etcd),
+                "NATS_SERVER": self._service_url("NATS_SERVER", start_nats)}
+
+    def _service_url(self, var: str, start: Callable[[], LocalService]) -> str:
+        """``$var`` if set, else the URL of a local service started (and owned) here."""
+        url = os.environ.get(var)
+        if url:
+            return url
+        svc = start()
+        self.services.append(svc)
+        log.info("%s not set: started a local %s at %s", var, svc.name, svc.url)
+        return svc.url
 
     def _write_spec(self, env: dict[str, str]) -> str:
         spec = {
