@@ -36,7 +36,14 @@ from dynagraph.llm.prefill_handler import JobOutcome, PrefillJobHandler, serve_q
 from dynagraph.llm.remote_prefill import PrefillAck, PrefillResult
 from dynagraph.runtime.queue import NatsPrefillQueue, ReplyTarget
 from dynagraph.runtime.rpc import RpcClient
-from dynagraph.sdk import EndpointClient, async_on_shutdown, async_on_start, endpoint, service
+from dynagraph.sdk import (
+    EndpointClient,
+    RuntimeContext,
+    async_on_shutdown,
+    async_on_start,
+    endpoint,
+    service,
+)
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +71,8 @@ class PrefillStatus(msgspec.Struct, frozen=True, kw_only=True):
 
 @service(dynamo={"namespace": "dynamo"}, resources={"cpu": 1}, workers=1)
 class PrefillWorker:
+    runtime: RuntimeContext  # set by the SDK before __init__
+
     def __init__(self, config: PrefillWorkerConfig) -> None:
         self.config = config
         engine_id = f"{self.runtime.component}-{self.runtime.instance_id:x}"
@@ -81,10 +90,10 @@ class PrefillWorker:
 
     @async_on_start
     async def start(self) -> None:
-        if self.runtime.nats_url is None:
+        rt = self.runtime
+        if rt.nats_url is None:
             raise RuntimeError("PrefillWorker needs NATS (NATS_SERVER) for the prefill queue")
         await self.engine.start()
-        rt = self.runtime
         await rt.discovery.put(nixl_key(rt.namespace, rt.component, rt.instance_id),
                                self.nixl.record(), lease=True)
         rt.metadata.update({"nixl": self.nixl.record()})
@@ -139,7 +148,9 @@ class PrefillWorker:
             async for msg in stream:
                 return msgspec.convert(msg, PrefillAck)
         finally:
-            await stream.aclose()
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                await aclose()
         raise RequestPlaneError(f"{target.component}.{target.endpoint} answered nothing")
 
     async def _callback(self, component: str, name: str) -> EndpointClient:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -36,6 +36,8 @@ from dynagraph.llm.remote_prefill import (
 from dynagraph.runtime.queue import NatsPrefillQueue, PrefillSampling, ReplyTarget
 
 log = logging.getLogger(__name__)
+
+A = TypeVar("A", bound=VllmEngineArgs)
 
 _METRICS: list[PrefillMetrics] = []  # one per process (prometheus names are global)
 
@@ -104,7 +106,7 @@ class DecodeDisagg:
                                     quiet=not keys.nixl_progress_thread)
         return cls(keys, runtime, prefill, kv_cfg, nixl)
 
-    def engine_args(self, args: VllmEngineArgs) -> VllmEngineArgs:
+    def engine_args(self, args: A) -> A:
         return args.model_copy(update={"kv_transfer_config": self.kv_transfer_config})
 
     async def start(self, engine: VllmEngine, block_size: int) -> None:
