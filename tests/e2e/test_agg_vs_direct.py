@@ -2,22 +2,22 @@
 
 from __future__ import annotations
 
-import asyncio
+import json
 import os
-import uuid
-from collections.abc import AsyncIterator
+import subprocess
+import sys
 from pathlib import Path
-from typing import Any
 
 import openai
 import pytest
-import pytest_asyncio
 from transformers import AutoTokenizer
 
 from tests.e2e.conftest import MAX_MODEL_LEN
+from tests.support.serve import REPO
 
 pytestmark = pytest.mark.vllm
 
+N_TOKENS = 48
 PROMPTS = [
     "The module",
     "In the beginning",
@@ -28,61 +28,43 @@ PROMPTS = [
 ]
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def direct_llm(model_dir: Path) -> AsyncIterator[Any]:
-    """A plain vLLM AsyncLLM with the settings of configs/agg.yaml's VllmWorker.
-
-    In-process engine core (fast start); the variable is restored at once so that
-    processes spawned later by other tests do not inherit it.
-    """
-    saved = {k: os.environ.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING",
-                                            "VLLM_CPU_KVCACHE_SPACE")}
-    os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
-    try:
-        from vllm import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
-
-        llm = AsyncLLM.from_engine_args(AsyncEngineArgs(
-            model=str(model_dir), block_size=32, max_model_len=MAX_MODEL_LEN,
-            enforce_eager=True, seed=0, disable_log_stats=True))
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-    try:
-        yield llm
-    finally:
-        await asyncio.wait_for(asyncio.to_thread(llm.shutdown), 60)
+@pytest.fixture(scope="module")
+def tokenizer(model_dir: Path):  # type: ignore[no-untyped-def]
+    return AutoTokenizer.from_pretrained(str(model_dir))
 
 
-async def direct_greedy(llm: Any, prompt_ids: list[int], n: int) -> list[int]:
-    from vllm import SamplingParams, TokensPrompt
-
-    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)
-    out: list[int] = []
-    async for res in llm.generate(TokensPrompt(prompt_token_ids=prompt_ids), params,
-                                  request_id=uuid.uuid4().hex):
-        out = list(res.outputs[0].token_ids)
-    return out
+@pytest.fixture(scope="module")
+def direct(model_dir: Path, tokenizer) -> dict[str, list[int]]:  # type: ignore[no-untyped-def]
+    """prompt -> greedy ids from a directly driven AsyncLLM with the agg worker's settings."""
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    out = subprocess.run(
+        [sys.executable, "-m", "tests.e2e.direct_greedy", str(model_dir), str(MAX_MODEL_LEN),
+         str(N_TOKENS)],
+        input=json.dumps(prompts), capture_output=True, text=True, cwd=REPO, timeout=600,
+        env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    ids = json.loads(out.stdout.strip().splitlines()[-1])
+    return dict(zip(PROMPTS, ids, strict=True))
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
 async def test_graph_text_equals_direct_engine_tokens(
-    prompt: str, direct_llm: Any, base_url: str, model_dir: Path
+    prompt: str, direct: dict[str, list[int]], base_url: str, tokenizer  # type: ignore[no-untyped-def]
 ) -> None:
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
-    ids = tok(prompt)["input_ids"]
-    expected_ids = await direct_greedy(direct_llm, ids, 48)
-    expected = tok.decode(expected_ids, skip_special_tokens=True)
+    ids = tokenizer(prompt)["input_ids"]
+    expected = tokenizer.decode(direct[prompt], skip_special_tokens=True)
     client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0)
-    stream = await client.completions.create(model="tiny-llama", prompt=ids, max_tokens=48,
-                                             temperature=0, stream=True,
-                                             extra_body={"ignore_eos": True})
-    streamed = "".join([c.choices[0].text async for c in stream if c.choices])
-    assert streamed == expected
-    full = await client.completions.create(model="tiny-llama", prompt=ids, max_tokens=48,
-                                           temperature=0, extra_body={"ignore_eos": True})
-    assert full.choices[0].text == expected and full.usage.completion_tokens == 48
-    await client.close()
+    try:
+        stream = await client.completions.create(
+            model="tiny-llama", prompt=ids, max_tokens=N_TOKENS, temperature=0, stream=True,
+            extra_body={"ignore_eos": True})
+        streamed = "".join([c.choices[0].text async for c in stream if c.choices])
+        assert streamed == expected
+        full = await client.completions.create(
+            model="tiny-llama", prompt=ids, max_tokens=N_TOKENS, temperature=0,
+            extra_body={"ignore_eos": True})
+        assert full.choices[0].text == expected
+        assert full.usage.completion_tokens == N_TOKENS
+    finally:
+        await client.close()
