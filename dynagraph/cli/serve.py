@@ -308,12 +308,18 @@ async def _pump(child: Child) -> None:
     assert child.proc is not None and child.proc.stdout is not None
     prefix = f"[{child.label}] ".encode()
     out = sys.stdout.buffer
+    echo = True
     while True:
         line = await child.proc.stdout.readline()
         if not line:
             return
-        out.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
-        out.flush()
+        if not echo:
+            continue  # keep draining so the child never blocks on a full pipe
+        try:
+            out.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
+            out.flush()
+        except (BrokenPipeError, ValueError, OSError):
+            echo = False  # whoever read our output is gone; the graph keeps running
 
 
 def _exit_code(returncode: int | None) -> int:

@@ -13,7 +13,7 @@ from tests.support.serve import ServeProcess
 MAX_MODEL_LEN = 1024
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def agg_graph(model_dir: Path, etcd_url: str, nats_url: str) -> Iterator[ServeProcess]:
     env = {**os.environ, "ETCD_ENDPOINTS": etcd_url, "NATS_SERVER": nats_url,
            "PYTHONUNBUFFERED": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
@@ -32,6 +32,6 @@ def agg_graph(model_dir: Path, etcd_url: str, nats_url: str) -> Iterator[ServePr
         assert code == 0, sp.output()[-3000:]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def base_url(agg_graph: ServeProcess) -> str:
     return agg_graph.url()

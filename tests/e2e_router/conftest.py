@@ -16,7 +16,7 @@ MAX_MODEL_LEN = 1024
 MODEL = "tiny-llama"
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def router_graph(model_dir: Path, etcd_url: str, nats_url: str) -> Iterator[ServeProcess]:
     env = {**os.environ, "ETCD_ENDPOINTS": etcd_url, "NATS_SERVER": nats_url,
            "PYTHONUNBUFFERED": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
@@ -33,12 +33,12 @@ def router_graph(model_dir: Path, etcd_url: str, nats_url: str) -> Iterator[Serv
         sp.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def router_url(router_graph: ServeProcess) -> str:
     return router_graph.url()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 async def probe(router_graph: ServeProcess, etcd_url: str) -> AsyncIterator[GraphProbe]:
     p = GraphProbe(etcd_url)
     await p.start()
