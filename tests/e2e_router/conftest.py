@@ -31,6 +31,9 @@ def router_graph(model_dir: Path, etcd_url: str, nats_url: str) -> Iterator[Serv
         yield sp
     finally:
         sp.stop()
+        log_path = os.environ.get("DYNAGRAPH_TEST_GRAPH_LOG")
+        if log_path:  # the graph's whole output, for post-mortems of a CI run
+            Path(log_path).write_text(sp.output())
 
 
 @pytest.fixture(scope="package")
