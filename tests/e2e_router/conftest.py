@@ -18,8 +18,11 @@ MODEL = "tiny-llama"
 
 @pytest.fixture(scope="package")
 def router_graph(model_dir: Path, etcd_url: str, nats_url: str) -> Iterator[ServeProcess]:
+    # Engine cores in their own processes, as in production: with two in-process engine
+    # cores on 2 cores, a worker's event loop (and its lease keepalive) can starve.
     env = {**os.environ, "ETCD_ENDPOINTS": etcd_url, "NATS_SERVER": nats_url,
-           "PYTHONUNBUFFERED": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+           "PYTHONUNBUFFERED": "1"}
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     sp = ServeProcess(
         ["graphs.agg_router:Frontend", "-f", "configs/agg_router.yaml", "--Frontend.port=0",
          f"--Common.model={model_dir}", f"--Common.max-model-len={MAX_MODEL_LEN}",
