@@ -65,6 +65,14 @@ class Harness:
         return await self.disc.get_prefix("/demo/instances/")
 
 
+async def serve_demo(run_serve: Callable[..., ServeProcess], config_file: Path, *extra: str,
+                     **kw: Any) -> ServeProcess:
+    """`dynamo serve` the demo graph and wait for its ready banner."""
+    sp = run_serve(TARGET, "-f", str(config_file), *extra, **kw)
+    await asyncio.to_thread(sp.wait_ready, 60)
+    return sp
+
+
 async def collect(it: AsyncIterator[Any]) -> list[Any]:
     return [x async for x in it]
 
@@ -79,8 +87,7 @@ def config_file(tmp_path: Path) -> Path:
 async def test_stream_10k_responses_and_both_workers_serve(
     run_serve: Callable[..., ServeProcess], config_file: Path, etcd_url: str
 ) -> None:
-    sp = run_serve(TARGET, "-f", str(config_file))
-    await asyncio.to_thread(sp.wait_for_line, "dynamo serve: graph ", 60)
+    sp = await serve_demo(run_serve, config_file)
     async with Harness(etcd_url) as h:
         entry = await h.client("Entry")
         t0 = time.perf_counter()
@@ -104,8 +111,7 @@ async def test_stream_10k_responses_and_both_workers_serve(
 async def test_sigkill_of_one_instance_is_forgotten_within_ttl(
     run_serve: Callable[..., ServeProcess], config_file: Path, etcd_url: str
 ) -> None:
-    sp = run_serve(TARGET, "-f", str(config_file))
-    await asyncio.to_thread(sp.wait_for_line, "dynamo serve: graph ", 60)
+    sp = await serve_demo(run_serve, config_file)
     async with Harness(etcd_url) as h:
         entry = await h.client("Entry")
         sources = await h.client("Source")
@@ -129,8 +135,7 @@ async def test_sigkill_of_one_instance_is_forgotten_within_ttl(
 async def test_restart_never_stops_the_graph_with_the_childs_exit_code(
     run_serve: Callable[..., ServeProcess], config_file: Path, etcd_url: str
 ) -> None:
-    sp = run_serve(TARGET, "-f", str(config_file), "--restart", "never")
-    await asyncio.to_thread(sp.wait_for_line, "dynamo serve: graph ", 60)
+    sp = await serve_demo(run_serve, config_file, "--restart", "never")
     async with Harness(etcd_url) as h:
         pids = [r["pid"] for r in (await h.records()).values()]
         source = await h.client("Source")
@@ -148,8 +153,7 @@ async def test_restart_never_stops_the_graph_with_the_childs_exit_code(
 async def test_crashed_child_is_restarted_with_backoff(
     run_serve: Callable[..., ServeProcess], config_file: Path, etcd_url: str
 ) -> None:
-    sp = run_serve(TARGET, "-f", str(config_file))
-    await asyncio.to_thread(sp.wait_for_line, "dynamo serve: graph ", 60)
+    sp = await serve_demo(run_serve, config_file)
     async with Harness(etcd_url) as h:
         relay = await h.client("Relay")
         old = relay.instances()[0]
@@ -167,8 +171,7 @@ async def test_crashed_child_is_restarted_with_backoff(
 async def test_cancelled_stream_cancels_the_callee(
     run_serve: Callable[..., ServeProcess], config_file: Path, etcd_url: str
 ) -> None:
-    sp = run_serve(TARGET, "-f", str(config_file))
-    await asyncio.to_thread(sp.wait_for_line, "dynamo serve: graph ", 60)
+    sp = await serve_demo(run_serve, config_file)
     async with Harness(etcd_url) as h:
         entry = await h.client("Entry")
         it = entry.round_robin({"n": 2, "hold": True}, headers={"x-request-id": "cancel-me"})
@@ -186,8 +189,7 @@ async def test_embedded_etcd_and_nats_are_started_and_stopped(
     run_serve: Callable[..., ServeProcess], config_file: Path, serve_env: dict[str, str]
 ) -> None:
     env = {k: v for k, v in serve_env.items() if k not in ("ETCD_ENDPOINTS", "NATS_SERVER")}
-    sp = run_serve(TARGET, "-f", str(config_file), env=env)
-    await asyncio.to_thread(sp.wait_for_line, "dynamo serve: graph ", 60)
+    sp = await serve_demo(run_serve, config_file, env=env)
     pids = [int(m) for m in re.findall(r"started (?:etcd|nats-server) pid=(\d+)", sp.output())]
     assert len(pids) == 2 and all(pid_alive(p) for p in pids)
     assert sp.stop() == 0
