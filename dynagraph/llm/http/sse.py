@@ -36,35 +36,28 @@ def _finish(reason: str | None) -> bytes:
     return b"null" if reason is None else _encode(reason)
 
 
-class ChatStreamEncoder:
-    """Encodes ``chat.completion.chunk`` events for one response."""
+class _StreamEncoder:
+    """Shared framing of one response's SSE events: ``data: {id, object, ..., choices}``."""
+
+    OBJECT = ""
 
     def __init__(self, response_id: str, model: str, created: int, *, include_usage: bool) -> None:
         self._head = (
             b'data: {"id":'
             + _encode(response_id)
-            + b',"object":"chat.completion.chunk","created":'
+            + b',"object":"' + self.OBJECT.encode() + b'","created":'
             + str(created).encode()
             + b',"model":'
             + _encode(model)
             + b',"choices":['
         )
         self._tail = b',"usage":null}\n\n' if include_usage else b"}\n\n"
-        self._role_sent = False
 
-    def chunk(self, text: str, finish_reason: str | None) -> bytes:
-        """The event for one text delta; the first one also carries the assistant role."""
-        if not self._role_sent:
-            self._role_sent = True
-            delta = b'{"role":"assistant","content":' + _encode(text) + b"}"
-        elif text or finish_reason is None:
-            delta = b'{"content":' + _encode(text) + b"}"
-        else:
-            delta = b"{}"
+    def _choice(self, body: bytes, finish_reason: str | None) -> bytes:
         return (
             self._head
-            + b'{"index":0,"delta":'
-            + delta
+            + b'{"index":0,'
+            + body
             + b',"finish_reason":'
             + _finish(finish_reason)
             + b',"logprobs":null}]'
@@ -76,34 +69,34 @@ class ChatStreamEncoder:
         return self._head + b'],"usage":' + _encode(usage) + b"}\n\n"
 
 
-class CompletionStreamEncoder:
-    """Encodes streamed ``text_completion`` events for one response."""
+class ChatStreamEncoder(_StreamEncoder):
+    """Encodes ``chat.completion.chunk`` events for one response."""
+
+    OBJECT = "chat.completion.chunk"
 
     def __init__(self, response_id: str, model: str, created: int, *, include_usage: bool) -> None:
-        self._head = (
-            b'data: {"id":'
-            + _encode(response_id)
-            + b',"object":"text_completion","created":'
-            + str(created).encode()
-            + b',"model":'
-            + _encode(model)
-            + b',"choices":['
-        )
-        self._tail = b',"usage":null}\n\n' if include_usage else b"}\n\n"
+        super().__init__(response_id, model, created, include_usage=include_usage)
+        self._role_sent = False
 
     def chunk(self, text: str, finish_reason: str | None) -> bytes:
-        return (
-            self._head
-            + b'{"index":0,"text":'
-            + _encode(text)
-            + b',"finish_reason":'
-            + _finish(finish_reason)
-            + b',"logprobs":null}]'
-            + self._tail
-        )
+        """The event for one text delta; the first one also carries the assistant role."""
+        if not self._role_sent:
+            self._role_sent = True
+            delta = b'{"role":"assistant","content":' + _encode(text) + b"}"
+        elif text or finish_reason is None:
+            delta = b'{"content":' + _encode(text) + b"}"
+        else:
+            delta = b"{}"
+        return self._choice(b'"delta":' + delta, finish_reason)
 
-    def usage(self, usage: Usage) -> bytes:
-        return self._head + b'],"usage":' + _encode(usage) + b"}\n\n"
+
+class CompletionStreamEncoder(_StreamEncoder):
+    """Encodes streamed ``text_completion`` events for one response."""
+
+    OBJECT = "text_completion"
+
+    def chunk(self, text: str, finish_reason: str | None) -> bytes:
+        return self._choice(b'"text":' + _encode(text), finish_reason)
 
 
 class ClientDisconnected(Exception):
