@@ -34,6 +34,7 @@ from dynagraph.llm.engines.vllm_engine import VllmEngine, VllmEngineArgs
 from dynagraph.llm.nixl_side import nixl_key, prepare_nixl
 from dynagraph.llm.prefill_handler import JobOutcome, PrefillJobHandler, serve_queue
 from dynagraph.llm.remote_prefill import PrefillAck, PrefillResult
+from dynagraph.observability.disagg_metrics import PrefillQueueMetrics
 from dynagraph.runtime.queue import NatsPrefillQueue, ReplyTarget
 from dynagraph.runtime.rpc import RpcClient
 from dynagraph.sdk import (
@@ -63,6 +64,15 @@ class PrefillWorkerConfig(VllmEngineArgs):
     """Upper bound on the call to the decode worker's ``prefill_done``."""
     nixl_progress_thread: bool = False
     """Keep NIXL's progress thread (busy-spins a core while idle); see ``nixl_quiet``."""
+
+
+_QUEUE_METRICS: list[PrefillQueueMetrics] = []  # one per process (global names)
+
+
+def _queue_metrics() -> PrefillQueueMetrics:
+    if not _QUEUE_METRICS:
+        _QUEUE_METRICS.append(PrefillQueueMetrics())
+    return _QUEUE_METRICS[0]
 
 
 class PrefillStatus(msgspec.Struct, frozen=True, kw_only=True):
@@ -109,6 +119,7 @@ class PrefillWorker:
             self.engine, self._reply, instance_id=rt.instance_id,
             heartbeat_s=self.config.prefill_queue_ack_wait / 3,
             reply_timeout=self.config.reply_timeout, hold_s=lambda: self.hold_s,
+            observer=_queue_metrics(),
         )
         self._tasks = [
             asyncio.create_task(serve_queue(self.queue, handler,

@@ -33,13 +33,28 @@ from dynagraph.llm.remote_prefill import (
     PrefixCacheEstimate,
     RemotePrefillCoordinator,
 )
-from dynagraph.runtime.queue import NatsPrefillQueue, PrefillSampling, ReplyTarget
+from dynagraph.observability.disagg_metrics import DecodeMetrics
+from dynagraph.runtime.queue import (
+    NatsPrefillQueue,
+    PrefillQueueError,
+    PrefillSampling,
+    ReplyTarget,
+)
 
 log = logging.getLogger(__name__)
 
 A = TypeVar("A", bound=VllmEngineArgs)
 
-_METRICS: list[PrefillMetrics] = []  # one per process (prometheus names are global)
+_METRICS: list[tuple[PrefillMetrics, DecodeMetrics]] = []  # one per process (global names)
+
+QUEUE_DEPTH_INTERVAL_S = 1.0
+"""How often the exported prefill queue depth (``dynamo_prefill_queue_depth``) is refreshed."""
+
+
+def _process_metrics(worker: str) -> tuple[PrefillMetrics, DecodeMetrics]:
+    if not _METRICS:
+        _METRICS.append((PrefillMetrics(), DecodeMetrics(worker=worker)))
+    return _METRICS[0]
 
 
 def _kebab(name: str) -> str:
@@ -90,7 +105,7 @@ class DecodeDisagg:
                                            component=runtime.component)
         self.queue: NatsPrefillQueue | None = None
         self.coordinator: RemotePrefillCoordinator | None = None
-        self._follow: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
 
     @classmethod
     def create(cls, keys: DecodeDisaggKeys, runtime: Any, prefill: Any,
@@ -116,8 +131,10 @@ class DecodeDisagg:
             raise RuntimeError("remote prefill needs NATS (NATS_SERVER) for the prefill queue")
         for key, value in (await rt.discovery.get_prefix(self.settings.prefix)).items():
             self.settings.apply(key, value)
-        self._follow = asyncio.create_task(
-            self.settings.follow(rt.discovery.watch_prefix(self.settings.prefix)))
+        prefills, transfers = _process_metrics(worker=f"{rt.instance_id:x}")
+        engine.observe_kv_transfers(transfers.kv_transfer)
+        self._tasks.append(asyncio.create_task(
+            self.settings.follow(rt.discovery.watch_prefix(self.settings.prefix))))
         self.queue = NatsPrefillQueue(rt.nats_url, rt.namespace,
                                       ack_wait=self.keys.prefill_queue_ack_wait,
                                       max_deliver=self.keys.prefill_queue_max_deliver)
@@ -125,18 +142,26 @@ class DecodeDisagg:
         await rt.discovery.put(nixl_key(rt.namespace, rt.component, rt.instance_id),
                                self.nixl.record(), lease=True)
         rt.metadata["nixl"] = self.nixl.record()
-        if not _METRICS:
-            _METRICS.append(PrefillMetrics())
+        self._tasks.append(asyncio.create_task(self._export_queue_depth(transfers)))
         self.coordinator = RemotePrefillCoordinator(
             settings=self.settings, queue=self.queue,
             reply_to=ReplyTarget(component=rt.component, endpoint=PREFILL_DONE_ENDPOINT,
                                  instance_id=rt.instance_id),
             prefix=PrefixCacheEstimate(block_size, engine.load().kv_blocks_total),
-            prefill_workers=self._prefill_workers, metrics=_METRICS[0],
+            prefill_workers=self._prefill_workers, metrics=prefills,
         )
         log.info("remote prefill on: NIXL consumer %s at %s:%d; settings %s",
                  self.nixl.engine_id, self.nixl.host, self.nixl.port,
                  self.settings.current.model_dump(by_alias=True))
+
+    async def _export_queue_depth(self, metrics: DecodeMetrics) -> None:
+        assert self.queue is not None
+        while True:
+            try:
+                metrics.queue_depth(await self.queue.depth())
+            except PrefillQueueError as e:
+                log.debug("prefill queue depth unavailable: %s", e)
+            await asyncio.sleep(QUEUE_DEPTH_INTERVAL_S)
 
     def _prefill_workers(self) -> int:
         return len(self.prefill.instance_ids("status"))
@@ -151,9 +176,10 @@ class DecodeDisagg:
         return self.coordinator is not None and self.coordinator.deliver(result)
 
     async def stop(self) -> None:
-        if self._follow is not None:
-            self._follow.cancel()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.wait_for(self._follow, timeout=5)
+                await asyncio.wait_for(task, timeout=5)
         if self.queue is not None:
             await self.queue.close()

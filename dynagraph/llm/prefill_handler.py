@@ -49,6 +49,12 @@ class PrefillEngine(Protocol):
     ) -> AsyncIterator[EngineOutput]: ...
 
 
+class PullObserver(Protocol):
+    """Told about every pulled job (``dynagraph.observability.PrefillQueueMetrics``)."""
+
+    def pulled(self, enqueued_at: float, delivery_count: int) -> None: ...
+
+
 ReplyFn = Callable[[ReplyTarget, PrefillResult], Awaitable[PrefillAck]]
 """Hands a result to the decode worker named by the job; raises RequestPlaneError."""
 
@@ -75,6 +81,7 @@ class PrefillJobHandler:
         reply_timeout: float = 10.0,
         hold_s: Callable[[], float] = lambda: 0.0,
         clock: Callable[[], float] = time.time,
+        observer: PullObserver | None = None,
     ) -> None:
         self.engine = engine
         self.reply = reply
@@ -84,11 +91,14 @@ class PrefillJobHandler:
         self.hold_s = hold_s
         """Seconds to wait between prefill and hand-off (fault-injection tests; 0 normally)."""
         self.clock = clock
+        self.observer = observer
 
     async def handle(self, item: QueueItem) -> JobOutcome:
         job = item.job
         pulled = self.clock()
         wait = max(pulled - job.enqueued_at, 0.0)
+        if self.observer is not None:
+            self.observer.pulled(job.enqueued_at, item.delivery_count)
         if job.expired(pulled):
             await item.term()
             return JobOutcome(job.request_id, "expired", wait)

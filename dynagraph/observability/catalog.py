@@ -117,7 +117,7 @@ CATALOG: tuple[MetricSpec, ...] = (
     _m("dynamo_worker_kv_transfer_bytes_total", "counter",
        "Bytes of KV cache received from prefill workers", ("worker",), WORKER, "disagg"),
     _m("dynamo_worker_kv_transfer_seconds", "histogram",
-       "Time of one KV transfer, from remote prefill done to KV in place", ("worker",), WORKER,
+       "Time of one KV transfer, from the read being posted to its completion (NIXL's telemetry)", ("worker",), WORKER,
        "disagg"),
     # Prefill queue (dynagraph/observability/disagg_metrics.py).
     _m("dynamo_prefill_queue_depth", "gauge",

@@ -3,16 +3,13 @@
 (Local vs remote prefills are ``dynamo_worker_prefill_requests_total{where, reason}``,
 exported by ``dynagraph.llm.remote_prefill.PrefillMetrics``.)
 
-Decode worker (one object per process)::
+Decode worker (one object per process, ``dynagraph.llm.decode_disagg``):
+``DecodeMetrics.kv_transfer(nbytes, seconds)`` per KV transfer the engine finished
+(vLLM's NixlConnector stats, via ``VllmEngine.observe_kv_transfers``), and
+``queue_depth(n)`` every second from the queue's ``depth()``.
 
-    self.disagg_metrics = DecodeMetrics(worker=f"{self.runtime.instance_id:x}")
-    self.disagg_metrics.kv_transfer(nbytes, seconds)   # per KV transfer received
-    self.disagg_metrics.queue_depth(await queue.depth())  # whenever it is read
-
-Prefill worker, right after ``item = await queue.pull(...)`` returned an item::
-
-    self.queue_metrics = PrefillQueueMetrics()
-    self.queue_metrics.pulled(item.job.enqueued_at, item.delivery_count)
+Prefill worker (``components/prefill_worker.py``): ``PrefillQueueMetrics.pulled(
+enqueued_at, delivery_count)`` for every job it pulls (``PrefillJobHandler(observer=...)``).
 """
 
 from __future__ import annotations

@@ -100,9 +100,19 @@ def wait_until(cond: Any, timeout: float, what: str, interval: float = 0.25) -> 
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what} (last: {last!r})")
 
 
-def drive_traffic(base_url: str, model: str, rounds: int = 3) -> None:
-    """Streamed and unary chat/completions, one bad request, one client disconnect."""
+def long_prompt(i: int, sentences: int = 40) -> str:
+    """~700 tokens of the test model, distinct from its first word (no shared prefix)."""
+    return f"Request number {i}. " + "Dashboards plot what the graph exports. " * sentences
+
+
+def drive_traffic(base_url: str, model: str, rounds: int = 3, long_prompts: int = 0) -> None:
+    """Streamed and unary chat/completions, one bad request, one client disconnect, and
+    ``long_prompts`` completions long enough for a remote prefill in the disagg graph."""
     with httpx.Client(base_url=base_url, timeout=60) as client:
+        for i in range(long_prompts):
+            r = client.post("/v1/completions", json={"model": model, "prompt": long_prompt(i),
+                                                     "max_tokens": 4})
+            assert r.status_code == 200, r.text
         for i in range(rounds):
             prompt = "The quick brown fox jumps over the lazy dog. " * (4 + i)
             for stream in (True, False):

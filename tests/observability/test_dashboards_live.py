@@ -1,7 +1,6 @@
 """Every dashboard panel returns data from a real Prometheus that scraped a running graph.
 
-For each graph whose module ``graphs.<graph>`` exists (agg always; agg_router and
-disagg once they land), the test starts the graph with ``dynamo serve`` (its
+For each graph (agg, agg_router, disagg), the test starts the graph with ``dynamo serve`` (its
 file_sd targets file in a temp dir), starts Debian's Prometheus through
 ``scripts/prometheus.sh`` against that file, drives traffic, and then for every
 panel assigned to the graph in ``deploy/grafana/requirements.yaml``: every metric
@@ -36,12 +35,22 @@ from .live import (
     wait_until,
 )
 
-# The disagg graph is not run here yet: its queue and KV-transfer metrics
-# (dynamo_prefill_queue_*, dynamo_worker_kv_transfer*) are catalogued and on the
-# disaggregation dashboard but not exported by the components yet, so that dashboard's
-# live check would fail; tests/e2e_disagg covers the graph itself.
 MARKS = {"agg": [pytest.mark.integration, pytest.mark.vllm],
-         "agg_router": [pytest.mark.integration, pytest.mark.vllm]}
+         "agg_router": [pytest.mark.integration, pytest.mark.vllm],
+         "disagg": [pytest.mark.integration, pytest.mark.vllm, pytest.mark.nixl]}
+LONG_PROMPTS = {"disagg": 4}
+"""Prompts over the disagg config's max-local-prefill-length (512): remote prefills, so
+the queue and KV-transfer panels have data."""
+MOVED = {
+    "agg": ["dynamo_frontend_requests_total"],
+    "agg_router": ["dynamo_frontend_requests_total", "dynamo_router_decisions_total"],
+    "disagg": ['dynamo_worker_prefill_requests_total{where="remote"}',
+               "dynamo_prefill_queue_wait_seconds_count",
+               "dynamo_worker_kv_transfers_total", "dynamo_worker_kv_transfer_bytes_total",
+               "dynamo_worker_kv_transfer_seconds_count"],
+}
+"""Counters the driven traffic must have moved: a counter exported at 0 gives its panel
+"data" too, so the panels alone would not show that, say, a KV transfer was counted."""
 
 
 def _available(graph: str) -> bool:
@@ -129,7 +138,7 @@ def test_every_panel_returns_data(running: tuple[str, ServeProcess, Path, str]) 
                60, f"{expected} healthy targets")
     model = next(line.split('"model": "')[1].split('"')[0] for line in sp.lines
                  if '"model": "' in line)
-    drive_traffic(sp.url(), model)
+    drive_traffic(sp.url(), model, long_prompts=LONG_PROMPTS.get(graph, 0))
     queries = panels_for(graph)
     assert queries, f"no panel is assigned to {graph}"
     failures: list[str] = []
@@ -146,3 +155,9 @@ def test_every_panel_returns_data(running: tuple[str, ServeProcess, Path, str]) 
         except AssertionError:
             failures.append(f"{q.dashboard} / {q.title} [{q.ref_id}]: no data for {expr}")
     assert failures == [], "\n".join(failures)
+
+
+def test_traffic_moved_the_counters(running: tuple[str, ServeProcess, Path, str]) -> None:
+    graph, _, _, prom = running  # runs after test_every_panel_returns_data drove traffic
+    for series in MOVED[graph]:
+        wait_until(lambda s=series: query(prom, f"sum({s}) > 0"), 20, f"{series} > 0")

@@ -21,7 +21,7 @@ import logging
 import os
 import time
 import warnings
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -273,6 +273,11 @@ class VllmEngine:
 
     def load(self) -> EngineLoad:
         return self._tracker.get()
+
+    def observe_kv_transfers(self, listener: Callable[[int, float], None] | None) -> None:
+        """Call ``listener(bytes, seconds)`` for each KV transfer this engine receives
+        (vLLM's KV connector stats; NixlConnector only)."""
+        self._tracker.on_kv_transfer = listener
 
     async def abort(self, request_id: str) -> None:
         if self._llm is not None:

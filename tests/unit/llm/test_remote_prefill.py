@@ -115,7 +115,8 @@ async def test_remote_round_trip_through_the_queue() -> None:
     c = coordinator(q, metrics=metrics)
     engine = FakeEngine()
     sent: list[PrefillResult] = []
-    handler = PrefillJobHandler(engine, wire(c, sent), instance_id=3)
+    pulls: list[tuple[float, int]] = []
+    handler = PrefillJobHandler(engine, wire(c, sent), instance_id=3, observer=PullLog(pulls))
     server = asyncio.create_task(serve_queue(q, handler, pull_timeout=0.05))
     try:
         plan = await c.plan("r1", list(range(200)))
@@ -130,6 +131,15 @@ async def test_remote_round_trip_through_the_queue() -> None:
     assert (stats.waiting, stats.in_flight) == (0, 0)  # acked
     assert metrics.requests.labels("remote", "long-prompt")._value.get() == 1
     assert c.pending == 0
+    assert len(pulls) == 1 and pulls[0][1] == 1  # the queue-wait/redelivery metrics saw it
+
+
+class PullLog:
+    def __init__(self, pulls: list[tuple[float, int]]) -> None:
+        self.pulls = pulls
+
+    def pulled(self, enqueued_at: float, delivery_count: int) -> None:
+        self.pulls.append((enqueued_at, delivery_count))
 
 
 async def test_no_prefill_worker_means_local_at_once() -> None:
