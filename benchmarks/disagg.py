@@ -72,7 +72,8 @@ def nixl_totals() -> dict[str, float]:
     from prometheus_client import REGISTRY
 
     out: dict[str, float] = {}
-    for name in ("vllm:nixl_xfer_time_seconds", "vllm:nixl_bytes_transferred"):
+    for name in ("vllm:nixl_xfer_time_seconds", "vllm:nixl_bytes_transferred",
+                 "vllm:nixl_post_time_seconds", "vllm:nixl_num_descriptors"):
         out[name] = sum(s.value for m in REGISTRY.collect() for s in m.samples
                         if s.name == f"{name}_sum")
     return out
@@ -174,6 +175,8 @@ async def one_pair(coord: RemotePrefillCoordinator, decode: VllmEngine, handed: 
         "kv_transfer_ms": xfer * 1e3, "first_decode_step_ms": (decode_ttft - xfer) * 1e3,
         "ttft_ms": (have_kv - t0 + decode_ttft) * 1e3, "kv_bytes": nbytes,
         "gib_per_s": nbytes / xfer / 2**30 if xfer > 0 else 0.0,
+        "post_ms": moved["vllm:nixl_post_time_seconds"] * 1e3,
+        "descriptors": moved["vllm:nixl_num_descriptors"],
     }
     local_ttft, _ = await first_token(decode, f"{rid}-local", local_ids, None)
     local = {"prompt": label, "tokens": len(ids), "mode": "local", "warmup": warmup,
@@ -227,7 +230,7 @@ def write(summary: list[dict[str, Any]], rows: list[dict[str, Any]], args: Any) 
             "# Disaggregated prefill: per-request breakdown (medians)\n\n"
             f"`python benchmarks/disagg.py --requests {args.requests}`: tiny Llama, block 32, "
             "decode engine on core 0, prefill engine on core 1, real NATS queue, NIXL over UCX "
-            "(no progress thread). TTFT is measured at the engines (no HTTP). "
+            "(NIXL progress thread with a poll delay, `nixl_quiet`). TTFT is measured at the engines (no HTTP). "
             "Raw NIXL: `benchmarks/nixl_raw.py`, kv-blocks layout of the same size. "
             "Provisional: shared 2-core VM.\n\n" + text + "\n")
     return text

@@ -31,7 +31,12 @@ from pydantic import Field
 
 from dynagraph.errors import RequestPlaneError
 from dynagraph.llm.engines.vllm_engine import VllmEngine, VllmEngineArgs
-from dynagraph.llm.nixl_side import nixl_key, prepare_nixl
+from dynagraph.llm.nixl_side import (
+    DEFAULT_DELAY_US,
+    PROGRESS_DELAY_DOC,
+    nixl_key,
+    prepare_nixl,
+)
 from dynagraph.llm.prefill_handler import JobOutcome, PrefillJobHandler, serve_queue
 from dynagraph.llm.remote_prefill import PrefillAck, PrefillResult
 from dynagraph.observability.disagg_metrics import PrefillQueueMetrics
@@ -62,8 +67,9 @@ class PrefillWorkerConfig(VllmEngineArgs):
     prefill_queue_max_deliver: int = Field(default=3, ge=1)
     reply_timeout: float = Field(default=10.0, gt=0)
     """Upper bound on the call to the decode worker's ``prefill_done``."""
-    nixl_progress_thread: bool = False
-    """Keep NIXL's progress thread (busy-spins a core while idle); see ``nixl_quiet``."""
+    nixl_progress_delay_us: int = Field(default=DEFAULT_DELAY_US, ge=0,
+                                               description=PROGRESS_DELAY_DOC)
+    """See ``dynagraph.llm.nixl_quiet``."""
 
 
 _QUEUE_METRICS: list[PrefillQueueMetrics] = []  # one per process (global names)
@@ -88,7 +94,7 @@ class PrefillWorker:
         engine_id = f"{self.runtime.component}-{self.runtime.instance_id:x}"
         kv_cfg, self.nixl = prepare_nixl("kv_producer", engine_id=engine_id,
                                          base=config.kv_transfer_config,
-                                         quiet=not config.nixl_progress_thread)
+                                         progress_delay_us=config.nixl_progress_delay_us)
         self.engine = VllmEngine(config.model_copy(update={"kv_transfer_config": kv_cfg}))
         self.queue: NatsPrefillQueue | None = None
         self.rpc = RpcClient()

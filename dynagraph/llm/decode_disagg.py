@@ -24,7 +24,13 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from dynagraph.llm.disagg import DisaggConfig, LiveDisaggSettings
 from dynagraph.llm.engines.vllm_engine import VllmEngine, VllmEngineArgs
-from dynagraph.llm.nixl_side import NixlEndpoint, nixl_key, prepare_nixl
+from dynagraph.llm.nixl_side import (
+    DEFAULT_DELAY_US,
+    PROGRESS_DELAY_DOC,
+    NixlEndpoint,
+    nixl_key,
+    prepare_nixl,
+)
 from dynagraph.llm.remote_prefill import (
     PREFILL_DONE_ENDPOINT,
     PrefillMetrics,
@@ -79,8 +85,9 @@ class DecodeDisaggKeys(BaseModel):
     """Seconds to wait for a prefill worker's result before prefilling locally."""
     prefill_queue_ack_wait: float = Field(default=30.0, gt=0)
     prefill_queue_max_deliver: int = Field(default=3, ge=1)
-    nixl_progress_thread: bool = False
-    """Keep NIXL's progress thread (busy-spins a core while idle); see ``nixl_quiet``."""
+    nixl_progress_delay_us: int = Field(default=DEFAULT_DELAY_US, ge=0,
+                                               description=PROGRESS_DELAY_DOC)
+    """See ``dynagraph.llm.nixl_quiet``."""
 
     def disagg_config(self) -> DisaggConfig:
         return DisaggConfig(
@@ -118,7 +125,7 @@ class DecodeDisagg:
             return None
         engine_id = f"{runtime.component}-{runtime.instance_id:x}"
         kv_cfg, nixl = prepare_nixl("kv_consumer", engine_id=engine_id, base=base_kv_config,
-                                    quiet=not keys.nixl_progress_thread)
+                                    progress_delay_us=keys.nixl_progress_delay_us)
         return cls(keys, runtime, prefill, kv_cfg, nixl)
 
     def engine_args(self, args: A) -> A:

@@ -1,26 +1,36 @@
-"""vLLM's ``NixlConnector`` without NIXL's busy-spinning progress thread.
+"""vLLM's ``NixlConnector`` with NIXL's progress thread asleep when idle.
 
-vLLM creates its NIXL agent with the default ``nixl_agent_config``, whose progress
-thread is on and polls with ``pthrDelay = 0`` (hard-coded in ``nixl._api``): each
-NIXL-enabled engine then burns ~100% of a core while idle. Transfers do not need
-that thread: vLLM's connector polls ``check_xfer_state`` / ``get_new_notifs`` on every
-engine step, and those calls drive UCX progress themselves.
+vLLM creates its NIXL agent with the default ``nixl_agent_config``: progress thread on,
+and ``nixl._api`` hard-codes its poll delay ``pthrDelay = 0``, so the thread busy-spins
+and each NIXL-enabled engine burns ~100% of a core while idle.
 
-Use it by naming this module as the connector's module path; the class keeps the
-name ``NixlConnector`` so vLLM's own ``has_connector("NixlConnector")`` checks still
-hold::
+What was measured here (``benchmarks/nixl_progress.py``): the
+UCX progress thread waits on the workers' event file descriptors and only uses
+``pthrDelay`` as its poll timeout, so a non-zero delay keeps it event-driven: a 2 MiB
+READ with a completion notification still finishes in ~0.1 ms while the thread costs
+~0.01 cores when idle. Without the thread (what this module did first) a READ with a
+notification completes only when *both* agents are polled, i.e. at the pace of the
+prefill and decode engines' steps: 2-5 ms per transfer instead of 0.2 ms.
+
+So this module, imported by vLLM inside each engine-core process (name it as the
+connector's module path; the class keeps the name ``NixlConnector`` so vLLM's own
+``has_connector("NixlConnector")`` checks still hold)::
 
     kv_transfer_config = {"kv_connector": "NixlConnector",
                           "kv_connector_module_path": "dynagraph.llm.nixl_quiet", ...}
 
-vLLM imports the module inside its engine-core process (where the agent is made),
-which is why the patch is applied at import time rather than by the caller.
-Set ``DYNAGRAPH_NIXL_PROGRESS_THREAD=1`` to keep the thread (for comparison).
+replaces that hard-coded 0 by ``DYNAGRAPH_NIXL_PROGRESS_DELAY_US`` (set by
+``nixl_side.prepare_nixl`` from the components' ``nixl-progress-delay-us``; default
+10000); ``0`` keeps NIXL's busy-spinning default.
+
+Turning the thread off is not offered: besides slow transfers, an idle prefill engine
+(no steps, so no polling) then never answers UCX's connection wire-up, and the first
+remote prefill after start-up hung until its KV expired (seen with vLLM's engine core in
+its own process, the production set-up).
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 from typing import Any
@@ -30,36 +40,28 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
     NixlConnector as _VllmNixlConnector,
 )
 
+from dynagraph.llm.nixl_side import delayed_agent_config, progress_delay_from_env
+
 log = logging.getLogger(__name__)
 
 MODULE_PATH = __name__
-PROGRESS_THREAD_ENV = "DYNAGRAPH_NIXL_PROGRESS_THREAD"
 
 
-def _quiet(factory: Any) -> Any:
-    @functools.wraps(factory)
-    def make(*args: Any, **kwargs: Any) -> Any:
-        kwargs.setdefault("enable_prog_thread", False)
-        return factory(*args, **kwargs)
+def install(environ: Any = os.environ) -> int:
+    """Give NIXL agents made from now on the configured progress-thread delay (idempotent).
 
-    make.__dynagraph_quiet__ = True  # type: ignore[attr-defined]
-    return make
-
-
-def install() -> bool:
-    """Patch vLLM's NIXL worker to create agents without a progress thread (idempotent).
-
-    Returns True if agents made from now on have no progress thread.
+    Returns the delay in microseconds (0: NIXL's busy-spinning default is kept).
     """
-    if os.environ.get(PROGRESS_THREAD_ENV, "0") == "1":
-        return False
-    factory = _base_worker.nixl_agent_config
-    if factory is None:  # NIXL not importable: vLLM fails on its own later
-        return False
-    if not getattr(factory, "__dynagraph_quiet__", False):
-        _base_worker.nixl_agent_config = _quiet(factory)
-        log.info("NIXL agents start without a progress thread (no idle busy-spin)")
-    return True
+    delay = progress_delay_from_env(environ)
+    if _base_worker.nixl_agent_config is None:  # NIXL not importable: vLLM fails later
+        return delay
+    if delay > 0:
+        import nixl._api as api  # the module vLLM's agents come from
+
+        bindings = api.nixlBind
+        bindings.nixlAgentConfig = delayed_agent_config(bindings.nixlAgentConfig, delay)
+        log.info("NIXL progress thread sleeps up to %d us between UCX events", delay)
+    return delay
 
 
 install()

@@ -26,6 +26,11 @@ Role = Literal["kv_producer", "kv_consumer", "kv_both"]
 QUIET_MODULE = "dynagraph.llm.nixl_quiet"
 """Connector module that removes NIXL's idle busy-spin (see ``nixl_quiet``)."""
 
+DELAY_ENV = "DYNAGRAPH_NIXL_PROGRESS_DELAY_US"
+"""How ``nixl_quiet`` (in the engine-core process) learns the progress thread's delay."""
+DEFAULT_DELAY_US = 10_000
+"""The NIXL progress thread's poll timeout; it wakes on UCX events before that."""
+
 HOST = "127.0.0.1"
 
 
@@ -40,6 +45,36 @@ class NixlEndpoint:
 
     def record(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def progress_delay_from_env(environ: Any = os.environ) -> int:
+    """``DYNAGRAPH_NIXL_PROGRESS_DELAY_US`` in microseconds (default on a bad value)."""
+    raw = str(environ.get(DELAY_ENV, DEFAULT_DELAY_US)).strip()
+    try:
+        return max(int(raw), 0)
+    except ValueError:
+        return DEFAULT_DELAY_US
+
+
+def delayed_agent_config(base: type, delay_us: int) -> type:
+    """A subclass of NIXL's ``nixlAgentConfig`` binding that turns the ``pthrDelay = 0``
+    ``nixl._api`` hard-codes into ``delay_us`` (the agent reads it once, when made).
+
+    Idempotent: given its own result it only updates the delay.
+    """
+    if getattr(base, "__dynagraph_delay__", None) is not None:
+        base.__dynagraph_delay__ = delay_us  # type: ignore[attr-defined]
+        return base
+
+    class DelayedAgentConfig(base):  # type: ignore[misc, valid-type]
+        __dynagraph_delay__ = delay_us
+
+        def __setattr__(self, name: str, value: Any) -> None:
+            if name == "pthrDelay" and value == 0:
+                value = type(self).__dynagraph_delay__
+            super().__setattr__(name, value)
+
+    return DelayedAgentConfig
 
 
 def free_loopback_port() -> int:
@@ -58,12 +93,13 @@ def prepare_nixl(
     *,
     engine_id: str,
     base: dict[str, Any] | None = None,
-    quiet: bool = True,
+    progress_delay_us: int = DEFAULT_DELAY_US,
     port: int | None = None,
 ) -> tuple[dict[str, Any], NixlEndpoint]:
     """The ``kv_transfer_config`` for a NixlConnector engine, and its endpoint.
 
-    Sets ``VLLM_NIXL_SIDE_CHANNEL_HOST`` / ``_PORT`` in ``os.environ`` (side effect).
+    Sets ``VLLM_NIXL_SIDE_CHANNEL_HOST`` / ``_PORT`` and ``DYNAGRAPH_NIXL_PROGRESS_DELAY_US``
+    (``progress_delay_us``, for ``nixl_quiet``) in ``os.environ`` (side effect).
     ``base`` (the user's ``kv-transfer-config``) wins over the defaults here, except that
     the role and engine id are always ours. A consumer recomputes locally if a KV load
     fails, so a request survives a prefill worker dying after its hand-off.
@@ -72,9 +108,8 @@ def prepare_nixl(
         "kv_connector": "NixlConnector",
         "kv_buffer_device": "cpu",
         "kv_load_failure_policy": "recompute",
+        "kv_connector_module_path": QUIET_MODULE,
     }
-    if quiet:
-        cfg["kv_connector_module_path"] = QUIET_MODULE
     cfg.update(base or {})
     if cfg.get("kv_connector") != "NixlConnector":
         raise ConfigError(
@@ -86,4 +121,12 @@ def prepare_nixl(
     port = port or free_loopback_port()
     os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = HOST
     os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port)
+    os.environ[DELAY_ENV] = str(progress_delay_us)
     return cfg, NixlEndpoint(engine_id=engine_id, host=HOST, port=port, role=role)
+
+
+PROGRESS_DELAY_DOC = (
+    "Poll timeout in microseconds of NIXL's progress thread, which wakes on UCX events "
+    "anyway: KV transfers complete as soon as the data has moved, and the thread sleeps "
+    "while idle. 0 = NIXL's own busy-spin (a full core per engine)."
+)

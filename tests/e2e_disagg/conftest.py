@@ -70,8 +70,12 @@ def text_of(body: dict[str, object]) -> str:
 
 
 def serve_env(etcd: str, nats: str) -> dict[str, str]:
-    return {**os.environ, "ETCD_ENDPOINTS": etcd, "NATS_SERVER": nats, "PYTHONUNBUFFERED": "1",
-            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    """Engines in their own processes, as in production. (With the engine cores inside
+    the components' processes these tests passed while, served for real, NIXL without a
+    progress thread hung the first remote prefill.)"""
+    env = {**os.environ, "ETCD_ENDPOINTS": etcd, "NATS_SERVER": nats, "PYTHONUNBUFFERED": "1"}
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    return env
 
 
 @pytest.fixture(scope="package")

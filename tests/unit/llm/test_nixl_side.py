@@ -7,7 +7,15 @@ import os
 import pytest
 
 from dynagraph.errors import ConfigError
-from dynagraph.llm.nixl_side import QUIET_MODULE, nixl_key, prepare_nixl
+from dynagraph.llm.nixl_side import (
+    DEFAULT_DELAY_US,
+    DELAY_ENV,
+    QUIET_MODULE,
+    delayed_agent_config,
+    nixl_key,
+    prepare_nixl,
+    progress_delay_from_env,
+)
 
 
 def test_prepare_nixl_sets_side_channel_and_config(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -23,13 +31,49 @@ def test_prepare_nixl_sets_side_channel_and_config(monkeypatch: pytest.MonkeyPat
                            "role": "kv_consumer"}
 
 
-def test_prepare_nixl_without_quiet_and_bad_connector(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_prepare_nixl_passes_the_progress_delay_and_rejects_other_connectors(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", "1")
-    cfg, _ = prepare_nixl("kv_producer", engine_id="p", quiet=False, port=5555)
-    assert "kv_connector_module_path" not in cfg
+    monkeypatch.delenv(DELAY_ENV, raising=False)
+    prepare_nixl("kv_producer", engine_id="p", port=5555)
+    assert progress_delay_from_env() == DEFAULT_DELAY_US
+    prepare_nixl("kv_producer", engine_id="p", port=5555, progress_delay_us=0)
+    assert progress_delay_from_env() == 0
+    cfg, _ = prepare_nixl("kv_producer", engine_id="p", port=5555,
+                          base={"kv_connector_module_path": "my.module"})
+    assert cfg["kv_connector_module_path"] == "my.module"  # the user's choice wins
     with pytest.raises(ConfigError):
         prepare_nixl("kv_producer", engine_id="p", base={"kv_connector": "LMCacheConnector"})
 
 
 def test_nixl_key() -> None:
     assert nixl_key("dynamo", "PrefillWorker", 255) == "/dynamo/nixl/PrefillWorker/ff"
+
+
+def test_progress_delay_from_env_defaults_and_bad_values() -> None:
+    assert progress_delay_from_env({}) == DEFAULT_DELAY_US
+    assert progress_delay_from_env({DELAY_ENV: "250"}) == 250
+    assert progress_delay_from_env({DELAY_ENV: "-5"}) == 0
+    assert progress_delay_from_env({DELAY_ENV: "fast"}) == DEFAULT_DELAY_US
+
+
+class FakeAgentConfig:
+    """Stands in for the ``nixlAgentConfig`` binding: nixl._api sets fields one by one."""
+
+    pthrDelay = 7
+    lthrDelay = 0
+
+
+def test_delayed_agent_config_replaces_only_the_hard_coded_zero() -> None:
+    cls = delayed_agent_config(FakeAgentConfig, 1000)
+    assert issubclass(cls, FakeAgentConfig)
+    cfg = cls()
+    cfg.pthrDelay = 0  # what nixl._api does
+    cfg.lthrDelay = 0
+    assert (cfg.pthrDelay, cfg.lthrDelay) == (1000, 0)
+    cfg.pthrDelay = 5  # an explicit non-zero value is kept
+    assert cfg.pthrDelay == 5
+    assert delayed_agent_config(cls, 50) is cls  # idempotent, delay updated
+    again = cls()
+    again.pthrDelay = 0
+    assert again.pthrDelay == 50
