@@ -165,4 +165,7 @@ def disagg_graph(model_dir: Path, infra: tuple[LocalService, LocalService],
         yield DisaggGraph(sp, sp.url(), m.group(1), etcd.url, nats.url)
     finally:
         code = sp.stop(timeout=30)
+        log_path = os.environ.get("DYNAGRAPH_TEST_GRAPH_LOG")
+        if log_path:  # the graph's whole output, for post-mortems of a CI run
+            Path(log_path).write_text(sp.output())
         assert code == 0, sp.output()[-3000:]
