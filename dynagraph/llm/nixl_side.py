@@ -28,6 +28,13 @@ Role = Literal["kv_producer", "kv_consumer", "kv_both"]
 QUIET_MODULE = "dynagraph.llm.nixl_quiet"
 """Connector module that removes NIXL's idle busy-spin (see ``nixl_quiet``)."""
 
+IN_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+"""``0`` (set by :func:`prepare_nixl` unless already set): a NIXL engine's core runs inside
+the component's process. With vLLM's engine-core and worker processes (CPU, one core
+bound per engine) the decode worker's first NIXL handshake stalled until the prefill
+side's 30 s KV lease ran out, and every remote prefill took ~31 s (``disagg`` and
+``disagg_router`` served by ``dynamo serve``); in-process: 0.27 s, then ~0.06 s."""
+
 DELAY_ENV = "DYNAGRAPH_NIXL_PROGRESS_DELAY_US"
 """How ``nixl_quiet`` (in the engine-core process) learns the progress thread's delay."""
 DEFAULT_DELAY_US = 10_000
@@ -134,8 +141,9 @@ def prepare_nixl(
 ) -> tuple[dict[str, Any], NixlEndpoint]:
     """The ``kv_transfer_config`` for a NixlConnector engine, and its endpoint.
 
-    Sets ``VLLM_NIXL_SIDE_CHANNEL_HOST`` / ``_PORT`` and ``DYNAGRAPH_NIXL_PROGRESS_DELAY_US``
-    (``progress_delay_us``, for ``nixl_quiet``) in ``os.environ`` (side effect).
+    Sets ``VLLM_NIXL_SIDE_CHANNEL_HOST`` / ``_PORT``, ``DYNAGRAPH_NIXL_PROGRESS_DELAY_US``
+    (``progress_delay_us``, for ``nixl_quiet``) and, unless set, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``
+    (see ``IN_PROCESS_ENV``) in ``os.environ`` (side effect).
     ``base`` (the user's ``kv-transfer-config``) wins over the defaults here, except that
     the role and engine id are always ours. A consumer recomputes locally if a KV load
     fails, so a request survives a prefill worker dying after its hand-off.
@@ -158,6 +166,7 @@ def prepare_nixl(
     os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = HOST
     os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port)
     os.environ[DELAY_ENV] = str(progress_delay_us)
+    os.environ.setdefault(IN_PROCESS_ENV, "0")
     return cfg, NixlEndpoint(engine_id=engine_id, host=HOST, port=port, role=role)
 
 

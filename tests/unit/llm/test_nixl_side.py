@@ -24,10 +24,12 @@ from dynagraph.llm.nixl_side import (
 
 
 def test_prepare_nixl_sets_side_channel_and_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
     monkeypatch.delenv("VLLM_NIXL_SIDE_CHANNEL_PORT", raising=False)
     monkeypatch.delenv("VLLM_NIXL_SIDE_CHANNEL_HOST", raising=False)
     cfg, ep = prepare_nixl("kv_consumer", engine_id="VllmWorker-1", base={"kv_role": "kv_producer"})
     assert os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1"
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # engine core in-process
     assert int(os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"]) == ep.port > 0
     assert cfg["kv_role"] == "kv_consumer" and cfg["engine_id"] == "VllmWorker-1"
     assert cfg["kv_connector_module_path"] == QUIET_MODULE
@@ -39,9 +41,11 @@ def test_prepare_nixl_sets_side_channel_and_config(monkeypatch: pytest.MonkeyPat
 def test_prepare_nixl_passes_the_progress_delay_and_rejects_other_connectors(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", "1")
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     monkeypatch.delenv(DELAY_ENV, raising=False)
     prepare_nixl("kv_producer", engine_id="p", port=5555)
     assert progress_delay_from_env() == DEFAULT_DELAY_US
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"  # a choice already made stays
     prepare_nixl("kv_producer", engine_id="p", port=5555, progress_delay_us=0)
     assert progress_delay_from_env() == 0
     cfg, _ = prepare_nixl("kv_producer", engine_id="p", port=5555,
