@@ -4,8 +4,8 @@
 # (e.g. --Frontend.port=8080). GRAPH / CONFIG pick another graph.
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-GRAPH="${GRAPH:-graphs.agg_router:Frontend}"
-CONFIG="${CONFIG:-configs/agg_router.yaml}"
+GRAPH="${GRAPH:-graphs.disagg_router:Frontend}"
+CONFIG="${CONFIG:-configs/disagg_router.yaml}"
 bash "${REPO}/scripts/install.sh"
 cd "${REPO}"
 "${REPO}/.venv/bin/python" -m dynagraph.llm.model_builder --out "${REPO}/models/tiny-llama"

@@ -180,3 +180,12 @@ async def _kill_while_holding(g: DisaggGraph, q: NatsPrefillQueue, victim: int,
         assert time.monotonic() < deadline, (
             f"prefill worker not back: {pids}\n" + "\n".join(g.proc.lines[-80:]))
         await asyncio.sleep(0.5)
+
+
+def test_every_remote_kv_was_read_within_its_lease(disagg_graph: DisaggGraph) -> None:
+    """The prefill engine frees a request's KV when its lease (vLLM: 30 s) ends unread; a
+    decode worker reading later gets blocks that may already hold other data. (Served with
+    vLLM's engine-core processes, every remote prefill once waited out that lease.)"""
+    expired = [line for line in disagg_graph.proc.lines
+               if "Releasing expired KV blocks" in line or "Potentially invalid KV blocks" in line]
+    assert expired == []

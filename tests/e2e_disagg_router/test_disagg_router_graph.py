@@ -1,0 +1,104 @@
+"""The full graph users run: `dynamo serve graphs.disagg_router:Frontend -f configs/disagg_router.yaml`.
+
+Frontend -> Processor -> KV Router -> two VllmWorkers (remote prefill on) -> one
+PrefillWorker, three NIXL engines, the config file as shipped (ports 0, the test model).
+Its own etcd and NATS, in its own package so no other engine-bearing graph runs at the
+same time. Long prompts are prefilled remotely and their KV arrives over NIXL; a repeated
+prompt gives the same greedy text; the Router decides every request; no prefill's KV
+outlives its lease unread; the graph stops cleanly.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from dynagraph.llm.model_builder import ensure_model
+from dynagraph.runtime.infra import start_etcd, start_nats
+from tests.support.serve import REPO, ServeProcess
+
+pytestmark = [pytest.mark.nixl, pytest.mark.vllm, pytest.mark.integration]
+
+SENTENCE = "Routing and disaggregation meet in one graph here. "
+LONG = [f"Story {i}: " + SENTENCE * 40 for i in range(3)]  # ~800 tokens > 512: remote
+SHORT = ["Say hello.", "Count to three."]
+
+
+def _metric_sum(address: str, name: str, labels: str = "") -> float:
+    text = httpx.get(f"http://{address}/metrics", timeout=10).text
+    pattern = re.compile(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$")
+    total = 0.0
+    for line in text.splitlines():
+        m = pattern.match(line)
+        if m and labels in (m.group(1) or ""):
+            total += float(m.group(2))
+    return total
+
+
+@pytest.fixture(scope="module")
+def graph() -> Iterator[ServeProcess]:
+    model_dir = ensure_model(REPO / "models" / "tiny-llama")
+    etcd = start_etcd()
+    nats = None
+    sp = None
+    try:
+        nats = start_nats()
+        env = {**os.environ, "ETCD_ENDPOINTS": etcd.url, "NATS_SERVER": nats.url,
+               "PYTHONUNBUFFERED": "1"}
+        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # as served
+        sp = ServeProcess(["graphs.disagg_router:Frontend", "-f", "configs/disagg_router.yaml",
+                           "--Frontend.port=0", f"--Common.model={model_dir}"], env)
+        sp.wait_ready(300)
+        yield sp
+    finally:
+        if sp is not None:
+            code = sp.stop(timeout=30)
+            log_path = os.environ.get("DYNAGRAPH_TEST_GRAPH_LOG")
+            if log_path:
+                Path(log_path).write_text(sp.output())
+            assert code == 0, sp.output()[-3000:]
+        if nats is not None:
+            nats.stop()
+        etcd.stop()
+
+
+def _complete(url: str, prompt: str) -> str:
+    r = httpx.post(f"{url}/v1/completions", timeout=120, json={
+        "model": "tiny-llama", "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    return str(r.json()["choices"][0]["text"])
+
+
+def _addresses(sp: ServeProcess, component: str) -> list[str]:
+    return [m.group(1) for line in sp.lines if f"{component}[" in line and " pid=" in line
+            and (m := re.search(r"metrics=(\S+)", line))]
+
+
+def test_long_prompts_prefill_remotely_and_the_router_decides(graph: ServeProcess) -> None:
+    url = graph.url()
+    workers = _addresses(graph, "VllmWorker")
+    routers = _addresses(graph, "Router")
+    assert len(workers) == 2 and len(routers) == 1, (workers, routers)
+    first = {p: _complete(url, p) for p in LONG}
+    for p in SHORT:
+        assert _complete(url, p)
+    again = {p: _complete(url, p) for p in LONG}  # cached now: same greedy text
+    assert again == first
+    remote = sum(_metric_sum(w, "dynamo_worker_prefill_requests_total", 'where="remote"')
+                 for w in workers)
+    assert remote >= len(LONG)
+    transfers = sum(_metric_sum(w, "dynamo_worker_kv_transfers_total") for w in workers)
+    assert transfers >= len(LONG)
+    decisions = _metric_sum(routers[0], "dynamo_router_decisions_total")
+    assert decisions >= 2 * len(LONG) + len(SHORT)
+
+
+def test_no_prefill_kv_outlived_its_lease(graph: ServeProcess) -> None:
+    expired = [line for line in graph.lines
+               if "Releasing expired KV blocks" in line or "Potentially invalid KV blocks" in line]
+    assert expired == []
