@@ -53,6 +53,8 @@ from dynagraph.runtime.queue.job import RemotePrefillJob, decode_job, encode_job
 log = logging.getLogger(__name__)
 
 _MIN_FETCH = 0.01  # nats-py needs a positive fetch expiry
+_SUBJECTS_OVERLAP = 10065  # "subjects overlap with an existing stream" (a racing create)
+_CREATE_ATTEMPTS = 4
 _STREAM_IN_USE = 10058  # "stream name already in use with a different configuration"
 _NATS_ERRORS = (nats.errors.Error, OSError, asyncio.TimeoutError)
 
@@ -199,6 +201,27 @@ class NatsPrefillQueue:
         except _NATS_ERRORS as e:
             raise PrefillQueueError(f"cannot delete stream {self.stream}: {e!r}") from e
 
+    async def _ensure_stream(self, js: JetStreamContext, cfg: StreamConfig) -> None:
+        """Create the stream, or update it if it exists with another configuration.
+
+        Two processes creating it at the same moment (a decode and a prefill worker
+        starting together) can get "subjects overlap with an existing stream" from the
+        server for the same stream; a retry then finds it and is a no-op or an update.
+        """
+        for attempt in range(_CREATE_ATTEMPTS):
+            try:
+                await js.add_stream(cfg)
+                return
+            except nats.js.errors.BadRequestError as e:
+                if e.err_code == _STREAM_IN_USE:
+                    log.info("stream %s exists with another configuration; updating it",
+                             self.stream)
+                    await js.update_stream(cfg)
+                    return
+                if e.err_code != _SUBJECTS_OVERLAP or attempt == _CREATE_ATTEMPTS - 1:
+                    raise
+                await asyncio.sleep(0.05 * (attempt + 1))
+
     def _jsm(self) -> JetStreamContext:
         if self._js is None:
             raise PrefillQueueError("prefill queue is not connected; call connect() first")
@@ -217,13 +240,7 @@ class NatsPrefillQueue:
             discard=DiscardPolicy.OLD,
         )
         try:
-            try:
-                await js.add_stream(cfg)
-            except nats.js.errors.BadRequestError as e:
-                if e.err_code != _STREAM_IN_USE:
-                    raise
-                log.info("stream %s exists with another configuration; updating it", self.stream)
-                await js.update_stream(cfg)
+            await self._ensure_stream(js, cfg)
             await js.add_consumer(
                 self.stream,
                 ConsumerConfig(

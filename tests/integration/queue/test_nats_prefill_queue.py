@@ -11,7 +11,7 @@ from pathlib import Path
 import nats
 import pytest
 
-from dynagraph.runtime.infra import LocalService, free_port
+from dynagraph.runtime.infra import LocalService, free_port, start_nats
 from dynagraph.runtime.queue import (
     NatsPrefillQueue,
     PrefillQueue,
@@ -254,3 +254,21 @@ async def test_undecodable_message_is_terminated(make_queue: QueueFactory) -> No
     assert item is not None and item.job.request_id == "good"
     await item.ack()
     await wait_stats(q, QueueStats(waiting=0, in_flight=0))
+
+
+async def test_many_processes_creating_the_queue_at_once() -> None:
+    """Decode and prefill workers start together and all create the same stream on a
+    fresh server. (Once, under load, nats-server answered such a racing create with
+    "subjects overlap"; the retry for that answer is unit-tested in
+    tests/unit/runtime/test_prefill_queue_stream_create.py.)"""
+    for _ in range(4):
+        svc = start_nats()
+        queues = [NatsPrefillQueue(svc.url, "race", request_timeout=5) for _ in range(4)]
+        try:
+            await asyncio.gather(*(q.connect() for q in queues))
+            await queues[0].enqueue(job("r"))
+            assert (await queues[-1].stats()).waiting == 1
+        finally:
+            for q in queues:
+                await q.close()
+            svc.stop()
