@@ -70,9 +70,10 @@ def text_of(body: dict[str, object]) -> str:
 
 
 def serve_env(etcd: str, nats: str) -> dict[str, str]:
-    """Engines in their own processes, as in production. (With the engine cores inside
-    the components' processes these tests passed while, served for real, NIXL without a
-    progress thread hung the first remote prefill.)"""
+    """As served: the test environment's VLLM_ENABLE_V1_MULTIPROCESSING is not passed on,
+    so the components choose (``nixl_side`` runs NIXL engines in-process). The tests once
+    forced in-process engines while ``dynamo serve`` did not, and passed while every
+    served remote prefill stalled."""
     env = {**os.environ, "ETCD_ENDPOINTS": etcd, "NATS_SERVER": nats, "PYTHONUNBUFFERED": "1"}
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     return env
