@@ -37,11 +37,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-# Both engines live in this one process; their cores run in their own processes here so
-# they do not share one GIL (served, each engine runs in-process in its own component
-# process: see dynagraph.llm.nixl_side.IN_PROCESS_ENV). VLLM_ENABLE_V1_MULTIPROCESSING=0
-# puts both in this process instead (KV transfer ~2x slower: GIL contention).
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+# The engines run as served (prepare_nixl: each engine one vLLM engine-core process with
+# its model runner inside, see dynagraph.llm.nixl_side.IN_PROCESS_ENV); run with
+# VLLM_ENABLE_V1_MULTIPROCESSING=1 for vLLM's default engine-core + worker processes.
 
 from dynagraph.llm.disagg import DisaggConfig, LiveDisaggSettings  # noqa: E402
 from dynagraph.llm.engines.base import SamplingSpec  # noqa: E402

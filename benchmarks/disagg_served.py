@@ -2,7 +2,7 @@
 
 Where ``benchmarks/disagg.py`` drives two engines from one process to break a request
 down, this serves the disagg graph exactly as a user does (components in their own
-processes, engines in-process, NIXL as configured) and reads each remote prefill's KV
+processes, each engine one vLLM engine-core process, NIXL as configured) and reads each remote prefill's KV
 transfer from the decode worker's own metrics (``dynamo_worker_kv_transfer_seconds`` and
 ``..._bytes_total``, scraped before and after every request), with the TTFT the HTTP
 client sees (streamed completion). Prompts are fresh (no prefix-cache hits); the first

@@ -29,11 +29,14 @@ QUIET_MODULE = "dynagraph.llm.nixl_quiet"
 """Connector module that removes NIXL's idle busy-spin (see ``nixl_quiet``)."""
 
 IN_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
-"""``0`` (set by :func:`prepare_nixl` unless already set): a NIXL engine's core runs inside
-the component's process. With vLLM's engine-core and worker processes (CPU, one core
-bound per engine) the decode worker's first NIXL handshake stalled until the prefill
-side's 30 s KV lease ran out, and every remote prefill took ~31 s (``disagg`` and
-``disagg_router`` served by ``dynamo serve``); in-process: 0.27 s, then ~0.06 s."""
+"""``0`` (set by :func:`prepare_nixl` unless already set): vLLM runs a NIXL engine's model
+runner inside its engine-core process (the single-process executor) instead of in a
+separate worker process. With the separate worker process (CPU, one core bound per
+engine) the decode worker's NIXL handshake stalled until the prefill side's 30 s KV lease
+ran out, on every remote prefill (``disagg`` and ``disagg_router`` served by ``dynamo
+serve``; py-spy: the worker's main thread stuck starting the handshake thread); with the
+model runner in the engine-core process: 0.27 s for the first, then ~0.06 s. (vLLM's
+``AsyncLLM`` keeps its engine core in a process of its own either way.)"""
 
 DELAY_ENV = "DYNAGRAPH_NIXL_PROGRESS_DELAY_US"
 """How ``nixl_quiet`` (in the engine-core process) learns the progress thread's delay."""

@@ -71,9 +71,9 @@ def text_of(body: dict[str, object]) -> str:
 
 def serve_env(etcd: str, nats: str) -> dict[str, str]:
     """As served: the test environment's VLLM_ENABLE_V1_MULTIPROCESSING is not passed on,
-    so the components choose (``nixl_side`` runs NIXL engines in-process). The tests once
-    forced in-process engines while ``dynamo serve`` did not, and passed while every
-    served remote prefill stalled."""
+    so the components choose (``nixl_side`` picks vLLM's single-process executor for NIXL
+    engines). The tests once set it for every engine while ``dynamo serve`` did not, and
+    passed while every served remote prefill stalled."""
     env = {**os.environ, "ETCD_ENDPOINTS": etcd, "NATS_SERVER": nats, "PYTHONUNBUFFERED": "1"}
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     return env
