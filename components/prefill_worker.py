@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -32,8 +33,7 @@ from pydantic import Field
 from dynagraph.errors import RequestPlaneError
 from dynagraph.llm.engines.vllm_engine import VllmEngine, VllmEngineArgs
 from dynagraph.llm.nixl_side import (
-    DEFAULT_DELAY_US,
-    PROGRESS_DELAY_DOC,
+    DisaggWorkerKeys,
     nixl_key,
     prepare_nixl,
 )
@@ -56,29 +56,20 @@ log = logging.getLogger(__name__)
 HOLD_KEY = "hold-before-reply-s"
 
 
-class PrefillWorkerConfig(VllmEngineArgs):
-    """Engine settings (see ``VllmEngineArgs``) plus the queue consumer's; kebab-case in YAML."""
+class PrefillWorkerConfig(VllmEngineArgs, DisaggWorkerKeys):
+    """Engine settings (see ``VllmEngineArgs``), the keys shared with the decode workers
+    (``DisaggWorkerKeys``) and the queue consumer's; kebab-case in YAML."""
 
     max_concurrent_prefills: int = Field(default=2, ge=1)
     """Jobs prefilled at once (vLLM batches them)."""
-    prefill_queue_ack_wait: float = Field(default=30.0, gt=0)
-    """Seconds before a held, unacked job is delivered again. Share it with the decode
-    workers (``Common``): the last process to connect sets the queue's value."""
-    prefill_queue_max_deliver: int = Field(default=3, ge=1)
     reply_timeout: float = Field(default=10.0, gt=0)
     """Upper bound on the call to the decode worker's ``prefill_done``."""
-    nixl_progress_delay_us: int = Field(default=DEFAULT_DELAY_US, ge=0,
-                                               description=PROGRESS_DELAY_DOC)
-    """See ``dynagraph.llm.nixl_quiet``."""
 
 
-_QUEUE_METRICS: list[PrefillQueueMetrics] = []  # one per process (global names)
-
-
+@functools.cache
 def _queue_metrics() -> PrefillQueueMetrics:
-    if not _QUEUE_METRICS:
-        _QUEUE_METRICS.append(PrefillQueueMetrics())
-    return _QUEUE_METRICS[0]
+    """One set per process: the default registry refuses a second registration."""
+    return PrefillQueueMetrics()
 
 
 class PrefillStatus(msgspec.Struct, frozen=True, kw_only=True):

@@ -17,16 +17,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 from dynagraph.llm.disagg import DisaggConfig, LiveDisaggSettings
 from dynagraph.llm.engines.vllm_engine import VllmEngine, VllmEngineArgs
 from dynagraph.llm.nixl_side import (
-    DEFAULT_DELAY_US,
-    PROGRESS_DELAY_DOC,
+    DisaggWorkerKeys,
     NixlEndpoint,
     nixl_key,
     prepare_nixl,
@@ -51,23 +51,22 @@ log = logging.getLogger(__name__)
 
 A = TypeVar("A", bound=VllmEngineArgs)
 
-_METRICS: list[tuple[PrefillMetrics, DecodeMetrics]] = []  # one per process (global names)
-
 QUEUE_DEPTH_INTERVAL_S = 1.0
 """How often the exported prefill queue depth (``dynamo_prefill_queue_depth``) is refreshed."""
 
 
+@functools.cache
 def _process_metrics(worker: str) -> tuple[PrefillMetrics, DecodeMetrics]:
-    if not _METRICS:
-        _METRICS.append((PrefillMetrics(), DecodeMetrics(worker=worker)))
-    return _METRICS[0]
+    """One set per process (one decode worker each): the default registry refuses a
+    second registration."""
+    return PrefillMetrics(), DecodeMetrics(worker=worker)
 
 
 def _kebab(name: str) -> str:
     return name.replace("_", "-")
 
 
-class DecodeDisaggKeys(BaseModel):
+class DecodeDisaggKeys(DisaggWorkerKeys):
     """The decode worker's disaggregation keys (YAML in kebab-case); see ``DisaggConfig``.
 
     ``max-local-prefill-length`` and ``max-prefill-queue-size`` can be changed live in
@@ -83,11 +82,6 @@ class DecodeDisaggKeys(BaseModel):
     max_prefill_queue_size: int = Field(default=2, ge=0)
     remote_prefill_timeout: float = Field(default=10.0, gt=0)
     """Seconds to wait for a prefill worker's result before prefilling locally."""
-    prefill_queue_ack_wait: float = Field(default=30.0, gt=0)
-    prefill_queue_max_deliver: int = Field(default=3, ge=1)
-    nixl_progress_delay_us: int = Field(default=DEFAULT_DELAY_US, ge=0,
-                                               description=PROGRESS_DELAY_DOC)
-    """See ``dynagraph.llm.nixl_quiet``."""
 
     def disagg_config(self) -> DisaggConfig:
         return DisaggConfig(

@@ -15,13 +15,13 @@ engine's ``kv_transfer_params`` carry them. They are there for operators and tes
 from __future__ import annotations
 
 import os
-import random
-import socket
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any, Literal
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from dynagraph.errors import ConfigError
+from dynagraph.runtime.infra import free_port
 
 Role = Literal["kv_producer", "kv_consumer", "kv_both"]
 
@@ -89,47 +89,6 @@ def delayed_agent_config(base: type, delay_us: int) -> type:
     return DelayedAgentConfig
 
 
-def free_loopback_port(rng: random.Random | None = None, attempts: int = 64) -> int:
-    """A TCP port free on 127.0.0.1 now and outside the kernel's ephemeral range.
-
-    vLLM binds the side channel only once its engine has loaded, seconds later; a port
-    from the ephemeral range (what ``bind(0)`` hands out) can meanwhile become the local
-    end of some outgoing connection. vLLM's listener then fails to bind and its engine
-    waits for that listener forever (seen once in a test run). Ports below the ephemeral
-    range are only ever taken by an explicit ``bind``.
-    """
-    lo, hi = _non_ephemeral_range()
-    rng = rng or random.Random()
-    for _ in range(attempts):
-        port = rng.randint(lo, hi)
-        if _bindable(port):
-            return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # crowded: any free port
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
-
-
-PORT_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
-
-
-def _non_ephemeral_range(path: Path = PORT_RANGE_FILE) -> tuple[int, int]:
-    try:
-        ephemeral_lo = int(path.read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        ephemeral_lo = 32768  # Linux's default
-    lo = 10000
-    return (lo, ephemeral_lo - 1) if ephemeral_lo - 1 > lo + 1000 else (1024, 9999)
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((HOST, port))
-        except OSError:
-            return False
-    return True
-
-
 def nixl_key(namespace: str, component: str, instance_id: int) -> str:
     return f"/{namespace}/nixl/{component}/{instance_id:x}"
 
@@ -165,7 +124,7 @@ def prepare_nixl(
         )
     cfg["kv_role"] = role
     cfg["engine_id"] = engine_id
-    port = port or free_loopback_port()
+    port = port or free_port(HOST)
     os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = HOST
     os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port)
     os.environ[DELAY_ENV] = str(progress_delay_us)
@@ -178,3 +137,19 @@ PROGRESS_DELAY_DOC = (
     "anyway: KV transfers complete as soon as the data has moved, and the thread sleeps "
     "while idle. 0 = NIXL's own busy-spin (a full core per engine)."
 )
+
+
+class DisaggWorkerKeys(BaseModel):
+    """Keys both NIXL workers have (decode: ``DecodeDisaggKeys``, prefill:
+    ``PrefillWorkerConfig``); kebab-case in YAML."""
+
+    model_config = ConfigDict(extra="forbid", alias_generator=lambda n: n.replace("_", "-"),
+                              validate_by_name=True, validate_by_alias=True)
+
+    prefill_queue_ack_wait: float = Field(default=30.0, gt=0)
+    """Seconds before a held, unacked job is delivered again. Share it between the decode
+    and prefill workers (``Common``): the last process to connect sets the queue's value."""
+    prefill_queue_max_deliver: int = Field(default=3, ge=1)
+    nixl_progress_delay_us: int = Field(default=DEFAULT_DELAY_US, ge=0,
+                                        description=PROGRESS_DELAY_DOC)
+    """See ``dynagraph.llm.nixl_quiet``."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import random
 import shutil
 import signal
 import socket
@@ -20,6 +21,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from dynagraph.errors import InfraError
 
@@ -33,11 +35,47 @@ DEBIAN_PACKAGE = {
 }
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (for binaries that cannot bind port 0)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+def free_port(host: str = "127.0.0.1", rng: random.Random | None = None,
+              attempts: int = 64) -> int:
+    """A TCP port free on ``host`` now and outside the kernel's ephemeral range, for
+    binaries that cannot bind port 0 and bind it themselves a little later.
+
+    A port from the ephemeral range (what ``bind(0)`` hands out) can meanwhile become the
+    local end of some outgoing connection. (Seen with vLLM's NIXL side channel, which is
+    bound only once the engine has loaded: vLLM's listener failed to bind and its engine
+    waited for that listener forever.) Ports below the ephemeral range are only ever taken
+    by an explicit ``bind``.
+    """
+    lo, hi = _non_ephemeral_range()
+    rng = rng or random.Random()
+    for _ in range(attempts):
+        port = rng.randint(lo, hi)
+        if _bindable(host, port):
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # crowded: any free port
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+PORT_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def _non_ephemeral_range(path: Path = PORT_RANGE_FILE) -> tuple[int, int]:
+    try:
+        ephemeral_lo = int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_lo = 32768  # Linux's default
+    lo = 10000
+    return (lo, ephemeral_lo - 1) if ephemeral_lo - 1 > lo + 1000 else (1024, 9999)
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def find_binary(name: str) -> str:

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import os
-import random
-import socket
-from pathlib import Path
 
 import pytest
 
@@ -14,9 +11,7 @@ from dynagraph.llm.nixl_side import (
     DEFAULT_DELAY_US,
     DELAY_ENV,
     QUIET_MODULE,
-    _non_ephemeral_range,
     delayed_agent_config,
-    free_loopback_port,
     nixl_key,
     prepare_nixl,
     progress_delay_from_env,
@@ -86,17 +81,3 @@ def test_delayed_agent_config_replaces_only_the_hard_coded_zero() -> None:
     again = cls()
     again.pthrDelay = 0
     assert again.pthrDelay == 50
-
-
-def test_side_channel_ports_avoid_the_ephemeral_range(tmp_path: Path) -> None:
-    lo, hi = _non_ephemeral_range()
-    ephemeral_lo = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    assert hi < ephemeral_lo
-    ports = {free_loopback_port(random.Random(seed)) for seed in range(5)}
-    assert all(lo <= p <= hi for p in ports)
-    with socket.socket() as s:  # and they are free
-        s.bind(("127.0.0.1", ports.pop()))
-    (tmp_path / "range").write_text("1500 2000\n")  # no room below: fall back to 1024-9999
-    assert _non_ephemeral_range(tmp_path / "range") == (1024, 9999)
-    (tmp_path / "range").write_text("garbage")
-    assert _non_ephemeral_range(tmp_path / "range") == (10000, 32767)
