@@ -449,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
-    from dynagraph.llm.model_builder import ensure_model
+    from tools.model_builder import ensure_model
 
     model = ensure_model(REPO / args.model)
     info = machine_info()

@@ -38,23 +38,23 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 # The engines run as served (prepare_nixl: each engine one vLLM engine-core process with
-# its model runner inside, see dynagraph.llm.nixl_side.IN_PROCESS_ENV); run with
+# its model runner inside, see dynagraph.llm.kv.nixl_side.IN_PROCESS_ENV); run with
 # VLLM_ENABLE_V1_MULTIPROCESSING=1 for vLLM's default engine-core + worker processes.
 
-from dynagraph.llm.disagg import DisaggConfig, LiveDisaggSettings  # noqa: E402
-from dynagraph.llm.engines.base import SamplingSpec  # noqa: E402
-from dynagraph.llm.engines.vllm_engine import VllmEngine, VllmEngineArgs  # noqa: E402
-from dynagraph.llm.model_builder import ensure_model  # noqa: E402
-from dynagraph.llm.nixl_side import prepare_nixl  # noqa: E402
-from dynagraph.llm.prefill_handler import PrefillJobHandler, serve_queue  # noqa: E402
-from dynagraph.llm.remote_prefill import (  # noqa: E402
+from dynagraph.llm.disagg.coordinator import (  # noqa: E402
     PrefillAck,
     PrefillResult,
     PrefixCacheEstimate,
     RemotePrefillCoordinator,
 )
+from dynagraph.llm.disagg.policy import DisaggConfig, LiveDisaggSettings  # noqa: E402
+from dynagraph.llm.disagg.prefill import PrefillJobHandler, serve_queue  # noqa: E402
+from dynagraph.llm.engines.base import SamplingSpec  # noqa: E402
+from dynagraph.llm.engines.vllm_engine import VllmEngine, VllmEngineArgs  # noqa: E402
+from dynagraph.llm.kv.nixl_side import prepare_nixl  # noqa: E402
 from dynagraph.runtime.infra import start_nats  # noqa: E402
 from dynagraph.runtime.queue import NatsPrefillQueue, ReplyTarget  # noqa: E402
+from tools.model_builder import ensure_model  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"

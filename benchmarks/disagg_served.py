@@ -27,8 +27,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._common import REPO, ManagedProcess, machine_info, write_results  # noqa: E402
-from dynagraph.llm.model_builder import ensure_model  # noqa: E402
 from dynagraph.runtime.infra import free_port, local_infra  # noqa: E402
+from tools.model_builder import ensure_model  # noqa: E402
 
 SENTENCE = "Prefix caches pay off when prompts share a beginning. "
 SIZES = {"1k": 46, "4k": 180}  # sentences: ~1k and ~3.9k tokens of the tiny model

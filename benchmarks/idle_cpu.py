@@ -32,8 +32,8 @@ from benchmarks._common import (  # noqa: E402
     process_tree_cpu,
     write_results,
 )
-from dynagraph.llm.model_builder import ensure_model  # noqa: E402
 from dynagraph.runtime.infra import free_port, local_infra  # noqa: E402
+from tools.model_builder import ensure_model  # noqa: E402
 
 NIXL_COMPONENTS = ("VllmWorker", "PrefillWorker")
 

@@ -1,6 +1,6 @@
 """NIXL progress-thread modes: KV READ latency (with a completion notification) and idle CPU.
 
-Why ``dynagraph.llm.nixl_quiet`` keeps NIXL's progress thread but gives it a poll delay.
+Why ``dynagraph.llm.kv.nixl_quiet`` keeps NIXL's progress thread but gives it a poll delay.
 Two processes, as a decode (initiator) and a prefill (target) engine: the initiator
 READs 2 MiB in 4 descriptors (vLLM's merged layout for a 1k-token prompt of the tiny
 model) with a notification, like vLLM's NixlConnector, and checks for completion every
@@ -50,7 +50,7 @@ def _agent(name: str, delay_us: int | None, num_threads: int) -> Any:
     import nixl._api as api
     from nixl._api import nixl_agent, nixl_agent_config
 
-    from dynagraph.llm.nixl_side import delayed_agent_config
+    from dynagraph.llm.kv.nixl_side import delayed_agent_config
 
     if delay_us is not None:  # 0 included: the modes run one after another here
         api.nixlBind.nixlAgentConfig = delayed_agent_config(api.nixlBind.nixlAgentConfig,

@@ -50,9 +50,9 @@ from benchmarks._common import (  # noqa: E402
     run_load,
     write_results,
 )
-from dynagraph.llm.model_builder import ensure_model  # noqa: E402
 from dynagraph.runtime.discovery import EtcdDiscovery  # noqa: E402
 from dynagraph.runtime.infra import free_port, local_infra  # noqa: E402
+from tools.model_builder import ensure_model  # noqa: E402
 
 log = logging.getLogger("bench.routing")
 

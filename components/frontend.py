@@ -14,26 +14,20 @@ import logging
 from collections.abc import AsyncIterator, Generator
 
 import uvicorn
-from prometheus_client import REGISTRY
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from components.processor import Processor
+from dynagraph.config import ConfigModel
 from dynagraph.errors import DynagraphError
 from dynagraph.llm.http import create_app
 from dynagraph.llm.protocol import OpenAIRequest, OpenAIRequestEnvelope, TextChunk
-from dynagraph.sdk import async_on_shutdown, async_on_start, depends, service
+from dynagraph.runtime.discovery import InstanceWatch
+from dynagraph.sdk import Component, async_on_shutdown, async_on_start, depends, service
 
 log = logging.getLogger(__name__)
 
 
-def _kebab(name: str) -> str:
-    return name.replace("_", "-")
-
-
-class FrontendConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", alias_generator=_kebab, validate_by_name=True,
-                              validate_by_alias=True)
-
+class FrontendConfig(ConfigModel):
     served_model_name: str = "tiny-llama"
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
@@ -50,14 +44,14 @@ class _Server(uvicorn.Server):
 
 
 @service(dynamo={"namespace": "dynamo"}, resources={"cpu": 1}, workers=1)
-class Frontend:
+class Frontend(Component):
     processor = depends(Processor)
 
     def __init__(self, config: FrontendConfig) -> None:
         self.config = config
         self._server: _Server | None = None
         self._task: asyncio.Task[None] | None = None
-        self._workers = None
+        self._workers: InstanceWatch | None = None
 
     def ready(self) -> bool:
         workers = self._workers.instances() if self._workers is not None else []
@@ -67,18 +61,17 @@ class Frontend:
         envelope = OpenAIRequestEnvelope.wrap(request, request_id)
         stream = self.processor.generate(envelope.to_wire(),
                                          headers={"x-request-id": request_id})
-        try:
+        async with contextlib.aclosing(stream):
             async for raw in stream:
                 yield TextChunk.from_wire(raw)
-        finally:
-            await stream.aclose()  # type: ignore[attr-defined]
 
     @async_on_start
     async def start(self) -> None:
         self._workers = await self.runtime.discovery.watch_instances(
             self.runtime.namespace, self.config.worker_component, "generate")
         app = create_app(self, served_model_name=self.config.served_model_name,
-                         max_model_len=self.config.max_model_len, registry=REGISTRY)
+                         max_model_len=self.config.max_model_len,
+                         registry=self.runtime.registry)
         cfg = uvicorn.Config(app, host=self.config.host, port=self.config.port,
                              log_level="warning", access_log=False, lifespan="off")
         self._server = _Server(cfg)

@@ -3,12 +3,12 @@
 Embeds vLLM's ``AsyncLLM`` with the NixlConnector as KV *producer*. For each job from
 the prefill queue (NATS JetStream) it prefills (``max_tokens=1``, remote decode), calls
 the asking decode worker's ``prefill_done`` endpoint with the KV transfer parameters,
-and acks the job only after that call returned (see ``dynagraph.llm.prefill_handler``).
+and acks the job only after that call returned (see ``dynagraph.llm.disagg.prefill``).
 
-The callback goes straight to the instance named in the job's ``reply_to``. It does not
-use ``depends(VllmWorker)``: ``VllmWorker`` already declares ``depends(PrefillWorker)``
-(that edge puts this component in the disagg graph), and a back edge would be an
-import cycle. The client is built from discovery the same way the SDK builds one.
+The callback goes straight to the instance named in the job's ``reply_to``, through
+``self.runtime.client(component, endpoint)``: ``VllmWorker`` already declares
+``depends(PrefillWorker)`` (that edge puts this component in the disagg graph), so the
+way back is a call by name, not a second ``depends()``.
 
 Its NIXL side channel (a free loopback port) and engine id are published under the
 lease at ``/{namespace}/nixl/PrefillWorker/{instance_id:x}``.
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -30,30 +29,25 @@ from typing import Any
 import msgspec
 from pydantic import Field
 
+from dynagraph.aio import cancel_and_wait
+from dynagraph.config import ConfigModel
 from dynagraph.errors import RequestPlaneError
-from dynagraph.llm.engines.vllm_engine import VllmEngine, VllmEngineArgs
-from dynagraph.llm.nixl_side import (
+from dynagraph.llm.disagg import (
     DisaggWorkerKeys,
-    nixl_key,
-    prepare_nixl,
+    JobOutcome,
+    PrefillAck,
+    PrefillJobHandler,
+    PrefillResult,
+    serve_queue,
 )
-from dynagraph.llm.prefill_handler import JobOutcome, PrefillJobHandler, serve_queue
-from dynagraph.llm.remote_prefill import PrefillAck, PrefillResult
+from dynagraph.llm.engines.vllm_engine import VllmEngine, VllmEngineArgs
+from dynagraph.llm.kv.nixl_side import nixl_key, prepare_nixl
 from dynagraph.observability.disagg_metrics import PrefillQueueMetrics
+from dynagraph.runtime.live_settings import LiveSettings
 from dynagraph.runtime.queue import NatsPrefillQueue, ReplyTarget
-from dynagraph.runtime.rpc import RpcClient
-from dynagraph.sdk import (
-    EndpointClient,
-    RuntimeContext,
-    async_on_shutdown,
-    async_on_start,
-    endpoint,
-    service,
-)
+from dynagraph.sdk import Component, async_on_shutdown, async_on_start, endpoint, service
 
 log = logging.getLogger(__name__)
-
-HOLD_KEY = "hold-before-reply-s"
 
 
 class PrefillWorkerConfig(VllmEngineArgs, DisaggWorkerKeys):
@@ -66,10 +60,11 @@ class PrefillWorkerConfig(VllmEngineArgs, DisaggWorkerKeys):
     """Upper bound on the call to the decode worker's ``prefill_done``."""
 
 
-@functools.cache
-def _queue_metrics() -> PrefillQueueMetrics:
-    """One set per process: the default registry refuses a second registration."""
-    return PrefillQueueMetrics()
+class PrefillFaults(ConfigModel):
+    """Fault injection for tests, live in etcd (``/{ns}/settings/PrefillWorker/...``)."""
+
+    hold_before_reply_s: float = Field(default=0.0, ge=0.0)
+    """Hold each job this long between its prefill and the hand-off."""
 
 
 class PrefillStatus(msgspec.Struct, frozen=True, kw_only=True):
@@ -77,9 +72,7 @@ class PrefillStatus(msgspec.Struct, frozen=True, kw_only=True):
 
 
 @service(dynamo={"namespace": "dynamo"}, resources={"cpu": 1}, workers=1)
-class PrefillWorker:
-    runtime: RuntimeContext  # set by the SDK before __init__
-
+class PrefillWorker(Component):
     def __init__(self, config: PrefillWorkerConfig) -> None:
         self.config = config
         engine_id = f"{self.runtime.component}-{self.runtime.instance_id:x}"
@@ -88,11 +81,9 @@ class PrefillWorker:
                                          progress_delay_us=config.nixl_progress_delay_us)
         self.engine = VllmEngine(config.model_copy(update={"kv_transfer_config": kv_cfg}))
         self.queue: NatsPrefillQueue | None = None
-        self.rpc = RpcClient()
-        self._callbacks: dict[tuple[str, str], EndpointClient] = {}
-        self._watches: list[Any] = []
+        self.faults = LiveSettings(PrefillFaults(), prefix=self.runtime.settings_prefix(),
+                                   live=["hold-before-reply-s"])
         self._tasks: list[asyncio.Task[None]] = []
-        self.hold_s = 0.0
         self.outcomes: dict[str, int] = {}
 
     @async_on_start
@@ -104,9 +95,8 @@ class PrefillWorker:
         await rt.discovery.put(nixl_key(rt.namespace, rt.component, rt.instance_id),
                                self.nixl.record(), lease=True)
         rt.metadata.update({"nixl": self.nixl.record()})
-        settings = await rt.discovery.get_prefix(rt.settings_prefix())
-        for key, value in settings.items():
-            self._apply_setting(key, value)
+        for key, value in (await rt.discovery.get_prefix(self.faults.prefix)).items():
+            self.faults.apply(key, value)
         self.queue = NatsPrefillQueue(
             rt.nats_url, rt.namespace, ack_wait=self.config.prefill_queue_ack_wait,
             max_deliver=self.config.prefill_queue_max_deliver,
@@ -115,74 +105,39 @@ class PrefillWorker:
         handler = PrefillJobHandler(
             self.engine, self._reply, instance_id=rt.instance_id,
             heartbeat_s=self.config.prefill_queue_ack_wait / 3,
-            reply_timeout=self.config.reply_timeout, hold_s=lambda: self.hold_s,
-            observer=_queue_metrics(),
+            reply_timeout=self.config.reply_timeout,
+            hold_s=lambda: self.faults.current.hold_before_reply_s,
+            observer=PrefillQueueMetrics(rt.registry),
         )
         self._tasks = [
             asyncio.create_task(serve_queue(self.queue, handler,
                                             concurrency=self.config.max_concurrent_prefills,
-                                            on_outcome=self._count)),
-            asyncio.create_task(self._follow_settings()),
+                                            on_outcome=self._count), name="prefill-queue"),
+            asyncio.create_task(self.faults.follow(rt.discovery.watch_prefix(self.faults.prefix)),
+                                name="prefill-faults"),
         ]
         log.info("prefill worker ready: engine %s, NIXL side channel %s:%d",
                  self.nixl.engine_id, self.nixl.host, self.nixl.port)
 
     @async_on_shutdown
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.wait_for(task, timeout=10)
+        await cancel_and_wait(self._tasks, timeout=10)
         if self.queue is not None:
             await self.queue.close()
-        for watch in self._watches:
-            await watch.close()
-        await self.rpc.close()
         await self.engine.shutdown()
 
     @endpoint()
     async def status(self, request: PrefillStatus) -> AsyncIterator[dict[str, Any]]:
         yield {"nixl": self.nixl.record(), "outcomes": dict(self.outcomes),
-               "hold_before_reply_s": self.hold_s}
+               "hold_before_reply_s": self.faults.current.hold_before_reply_s}
 
     def _count(self, outcome: JobOutcome) -> None:
         self.outcomes[outcome.status] = self.outcomes.get(outcome.status, 0) + 1
 
     async def _reply(self, target: ReplyTarget, result: PrefillResult) -> PrefillAck:
-        client = await self._callback(target.component, target.endpoint)
+        client = await self.runtime.client(target.component, target.endpoint)
         stream = client.direct(msgspec.to_builtins(result), target.instance_id)
-        try:
+        async with contextlib.aclosing(stream):
             async for msg in stream:
                 return msgspec.convert(msg, PrefillAck)
-        finally:
-            aclose = getattr(stream, "aclose", None)
-            if aclose is not None:
-                await aclose()
         raise RequestPlaneError(f"{target.component}.{target.endpoint} answered nothing")
-
-    async def _callback(self, component: str, name: str) -> EndpointClient:
-        client = self._callbacks.get((component, name))
-        if client is None:
-            watch = await self.runtime.discovery.watch_instances(self.runtime.namespace,
-                                                                 component, name)
-            self._watches.append(watch)
-            with contextlib.suppress(Exception):  # the target registered before enqueueing
-                await watch.wait_for(1, timeout=2.0)
-            client = self._callbacks[(component, name)] = EndpointClient(
-                self.rpc, watch, component, name)
-        return client
-
-    async def _follow_settings(self) -> None:
-        async for key, value in self.runtime.discovery.watch_prefix(self.runtime.settings_prefix()):
-            self._apply_setting(key, value)
-
-    def _apply_setting(self, key: str, value: Any | None) -> None:
-        if not key.endswith("/" + HOLD_KEY):
-            return
-        try:
-            self.hold_s = max(float(value), 0.0) if value is not None else 0.0
-        except (TypeError, ValueError):
-            log.warning("ignoring bad %s value %r", HOLD_KEY, value)
-            return
-        log.info("%s = %.1f", HOLD_KEY, self.hold_s)

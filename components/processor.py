@@ -21,16 +21,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from typing import Any, Literal
 
 import msgspec
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-from components.kv_router import Router, RouteRequest
+from components.kv_router import Router
 from components.worker import VllmWorker
+from dynagraph.config import ConfigModel
 from dynagraph.errors import (
     InstanceUnavailable,
     NoInstancesError,
@@ -40,28 +40,16 @@ from dynagraph.errors import (
 from dynagraph.llm.detokenize import detokenize_stream
 from dynagraph.llm.preprocess import Preprocessor
 from dynagraph.llm.protocol import OpenAIRequestEnvelope
-from dynagraph.llm.router import RouterMode
+from dynagraph.llm.router import RouteDecision, RouteRequest, RouterMode
 from dynagraph.llm.tokenizer import Tokenizer
 from dynagraph.observability.processor_metrics import ProcessorMetrics
-from dynagraph.sdk import depends, endpoint, service
+from dynagraph.runtime.round_robin import RoundRobin
+from dynagraph.sdk import Component, depends, endpoint, failover, service
 
 log = logging.getLogger(__name__)
 
 
-@functools.cache
-def _metrics() -> ProcessorMetrics:
-    """One set per process: the default registry refuses a second registration."""
-    return ProcessorMetrics()
-
-
-def _kebab(name: str) -> str:
-    return name.replace("_", "-")
-
-
-class ProcessorConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", alias_generator=_kebab, validate_by_name=True,
-                              validate_by_alias=True)
-
+class ProcessorConfig(ConfigModel):
     model: str
     """Model directory: the tokenizer and chat template come from here."""
     max_model_len: int | None = Field(default=None, ge=16)
@@ -72,7 +60,7 @@ class ProcessorConfig(BaseModel):
 
 
 @service(dynamo={"namespace": "dynamo"}, resources={"cpu": 1}, workers=1)
-class Processor:
+class Processor(Component):
     router = depends(Router)
     worker = depends(VllmWorker)
 
@@ -80,10 +68,10 @@ class Processor:
         self.config = config
         self.preprocessor = Preprocessor(Tokenizer.from_dir(config.model),
                                          max_model_len=config.max_model_len)
-        self._rr = 0
-        self.metrics = _metrics()
+        self._rr = RoundRobin()
+        self.metrics = ProcessorMetrics(self.runtime.registry)
         self.use_router = config.router_mode in ("kv", "kv-load")
-        if self.use_router and getattr(self, "router", None) is None:
+        if self.use_router and self.router is None:
             log.warning("router-mode %s needs a Router in the graph; routing round robin",
                         config.router_mode)
             self.use_router = False
@@ -112,48 +100,36 @@ class Processor:
         """The worker's stream for ``wire``, on the worker the Router picks."""
         ask = RouteRequest(token_ids, track=True, mode=RouterMode(self.config.router_mode))
         route = self.router.generate(msgspec.to_builtins(ask))
-        try:
+        async with contextlib.aclosing(route):
             chosen: int | None = None
             try:
                 async with asyncio.timeout(self.config.router_timeout):
-                    chosen = int((await anext(route))["worker_id"])
-            except (RequestPlaneError, TimeoutError, StopAsyncIteration, KeyError) as exc:
+                    chosen = msgspec.convert(await anext(route), RouteDecision).worker_id
+            except (RequestPlaneError, TimeoutError, StopAsyncIteration,
+                    msgspec.ValidationError) as exc:
                 log.warning("Router gave no decision (%s: %s); routing round robin",
                             type(exc).__name__, exc)
-            async for item in self._first_reachable(wire, chosen):
-                yield item
-        finally:
-            await route.aclose()  # type: ignore[attr-defined]
-
-    async def _first_reachable(self, wire: dict[str, Any], chosen: int | None
-                               ) -> AsyncIterator[Any]:
-        """Stream from ``chosen``; if it fails before its first output, from the others.
-
-        Retrying is safe then: nothing reached the client yet, and a prompt's output does
-        not depend on which worker computes it. A failure after the first output is
-        raised as is.
-        """
-        self._rr += 1
-        live = self.worker.instance_ids()
-        others = live[self._rr % len(live):] + live[:self._rr % len(live)] if live else []
-        order = ([chosen] if chosen is not None else []) + [w for w in others if w != chosen]
-        last: Exception | None = None
-        for w in order:
-            stream = self.worker.direct(wire, w)
-            try:
-                try:
-                    first = await anext(stream)
-                except StopAsyncIteration:
-                    return
-                except (InstanceUnavailable, NoInstancesError, StreamBroken) as exc:
-                    log.warning("worker %x failed before its first output (%s); trying "
-                                "another", w, exc)
-                    last = exc
-                    continue
-                yield first
+            stream = self._first_reachable(wire, chosen)
+            async with contextlib.aclosing(stream):
                 async for item in stream:
                     yield item
-                return
-            finally:
-                await stream.aclose()  # type: ignore[attr-defined]
-        raise last or NoInstancesError("no live VllmWorker to route to")
+
+    def _first_reachable(self, wire: dict[str, Any], chosen: int | None
+                         ) -> AsyncGenerator[Any, None]:
+        """Stream from ``chosen``; if it fails before its first output, from the others
+        (round robin). A failure after the first output is raised as is."""
+        others = [w for w in self._rr.order(self.worker.instance_ids()) if w != chosen]
+        order: Iterator[int] = iter(([chosen] if chosen is not None else []) + others)
+
+        async def next_worker(failed: list[int]) -> int | None:
+            return next(order, None)
+
+        def retrying(w: int, exc: Exception) -> None:
+            log.warning("worker %x failed before its first output (%s); trying another", w, exc)
+
+        def exhausted(last: Exception | None) -> Exception:
+            return last or NoInstancesError("no live VllmWorker to route to")
+
+        return failover(next_worker, lambda w: self.worker.direct(wire, w),
+                        retry_on=(InstanceUnavailable, NoInstancesError, StreamBroken),
+                        exhausted=exhausted, on_retry=retrying)

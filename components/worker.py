@@ -13,7 +13,7 @@ Router feeds (``components/kv_router.py`` subscribes to both):
 
 Disaggregated prefill (graph ``graphs/disagg.py`` links ``PrefillWorker``; config
 ``remote-prefill: true``): per request ``DecodeDisagg.plan`` decides local or remote
-(``dynagraph.llm.disagg``); a remote prefill's KV arrives over NIXL through the
+(``dynagraph.llm.disagg.policy``); a remote prefill's KV arrives over NIXL through the
 ``kv_transfer_params`` a ``PrefillWorker`` hands to ``prefill_done``. In the agg graph
 ``self.prefill`` is None and nothing of this is set up.
 """
@@ -27,15 +27,22 @@ from typing import Any
 
 from components.prefill_worker import PrefillWorker
 from dynagraph.errors import ConfigError, EngineError
-from dynagraph.llm.decode_disagg import DecodeDisagg, DecodeDisaggKeys
+from dynagraph.llm.disagg import DecodeDisaggKeys, PrefillResult
+from dynagraph.llm.disagg.decode import DecodeDisagg
 from dynagraph.llm.engines.base import SamplingSpec
 from dynagraph.llm.engines.vllm_engine import VllmEngine, VllmEngineArgs
-from dynagraph.llm.kv_relay import KvEventRelay, load_snapshots
+from dynagraph.llm.kv.relay import KvEventRelay, load_snapshots
 from dynagraph.llm.protocol import LLMEngineOutput, PreprocessedRequest
-from dynagraph.llm.remote_prefill import PrefillResult
 from dynagraph.llm.router.hashing import BlockHasher, seed_from_env
-from dynagraph.llm.worker_metrics import register_engine_load
-from dynagraph.sdk import async_on_shutdown, async_on_start, depends, endpoint, service
+from dynagraph.observability.worker_metrics import register_engine_load
+from dynagraph.sdk import (
+    Component,
+    async_on_shutdown,
+    async_on_start,
+    depends,
+    endpoint,
+    service,
+)
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +58,7 @@ class VllmWorkerConfig(VllmEngineArgs, DecodeDisaggKeys):
 
 
 @service(dynamo={"namespace": "dynamo"}, resources={"cpu": 1}, workers=1)
-class VllmWorker:
+class VllmWorker(Component):
     prefill = depends(PrefillWorker)
 
     def __init__(self, config: VllmWorkerConfig) -> None:
@@ -60,13 +67,14 @@ class VllmWorker:
                                           config.kv_transfer_config)
         if self.disagg is not None:
             config = self.disagg.engine_args(config)
+        self.hasher = BlockHasher(config.block_size, _hash_algo(config),
+                                  seed_from_env(os.environ))
         self.relay: KvEventRelay | None = None
         if config.publish_kv_events:
             if config.kv_events_endpoint:
                 raise ConfigError("set either publish-kv-events or kv-events-endpoint",
                                   component="VllmWorker", key="publish-kv-events")
-            self.relay = KvEventRelay(hasher=BlockHasher(
-                config.block_size, _hash_algo(config), seed_from_env(os.environ)))
+            self.relay = KvEventRelay(hasher=self.hasher)
             config = config.model_copy(update={"kv_events_endpoint": self.relay.bind()})
         self.engine = VllmEngine(config)
 
@@ -76,12 +84,13 @@ class VllmWorker:
             await self.relay.start()
         await self.engine.start()
         if self.disagg is not None:
-            await self.disagg.start(self.engine, self.config.block_size)
-        register_engine_load(self.engine.load, worker=f"{self.runtime.instance_id:x}")
+            await self.disagg.start(self.engine, self.hasher)
+        register_engine_load(self.engine.load, worker=f"{self.runtime.instance_id:x}",
+                             registry=self.runtime.registry)
         self.runtime.metadata.update(
-            {"block_size": self.config.block_size, "max_model_len": self.engine.max_model_len,
-             "kv_events": self.relay is not None, "kv_hash_algo": _hash_algo(self.config),
-             "kv_hash_seed": seed_from_env(os.environ)}
+            {"block_size": self.hasher.block_size, "max_model_len": self.engine.max_model_len,
+             "kv_events": self.relay is not None, "kv_hash_algo": self.hasher.algo,
+             "kv_hash_seed": self.hasher.seed}
         )
         log.info("engine ready in %.1fs (max_model_len %d)", self.engine.start_seconds,
                  self.engine.max_model_len)

@@ -56,8 +56,16 @@ def nats_url(nats_service: LocalService | None) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny byte-level BPE tokenizer with a chat template (HF format), built in < 1 s."""
+    from tests.support.tokenizer import build_tiny_tokenizer
+
+    return build_tiny_tokenizer(tmp_path_factory.mktemp("tiny-tok"))
+
+
+@pytest.fixture(scope="session")
 def model_dir() -> Path:
     """The tiny local Llama model (the README's path), built on first use (~2 minutes)."""
-    from dynagraph.llm.model_builder import ensure_model
+    from tools.model_builder import ensure_model
 
     return ensure_model(MODEL_DIR)

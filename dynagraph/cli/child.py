@@ -19,6 +19,7 @@ import logging
 import os
 import signal
 import sys
+from typing import Any
 
 from dynagraph.cli._logging import setup_logging
 from dynagraph.runtime.discovery import discovery_from_env
@@ -46,7 +47,7 @@ def start_metrics_server() -> str:
     return f"127.0.0.1:{server.server_port}"
 
 
-async def run(spec: dict, component: str, index: int) -> int:
+async def run(spec: dict[str, Any], component: str, index: int) -> int:
     graph = resolve_target(spec["target"])
     cls = graph.by_name(component)
     values = spec["configs"][component]["values"]

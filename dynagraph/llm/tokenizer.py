@@ -134,12 +134,15 @@ def _load_hf_tokenizer(path: Path, *, trust_remote_code: bool) -> PreTrainedToke
     if tokenizer_class in _GENERIC_CLASSES:
         from transformers import PreTrainedTokenizerFast
 
-        return PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
+        fast: PreTrainedTokenizerBase = PreTrainedTokenizerFast.from_pretrained(
+            str(path), local_files_only=True)
+        return fast
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(
+    tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
         str(path), local_files_only=True, trust_remote_code=trust_remote_code
     )
+    return tokenizer
 
 
 def _generation_config_eos(model_dir: Path) -> list[int]:

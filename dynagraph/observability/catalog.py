@@ -20,6 +20,25 @@ from typing import Literal
 Kind = Literal["counter", "gauge", "histogram"]
 
 
+LATENCY_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+    2.5, 5.0, 10.0, 30.0,
+)  # fmt: skip
+TTFT_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)  # fmt: skip
+ITL_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+)  # fmt: skip
+DURATION_BUCKETS = (
+    0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+)  # fmt: skip
+TOKEN_BUCKETS = (
+    1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072,
+)  # fmt: skip
+QUEUE_WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
 @dataclass(frozen=True)
 class MetricSpec:
     name: str
@@ -28,6 +47,8 @@ class MetricSpec:
     labels: tuple[str, ...]
     component: str
     graph: str
+    buckets: tuple[float, ...] = LATENCY_BUCKETS
+    """Histogram bucket bounds (ignored for counters and gauges)."""
 
     def series_names(self) -> tuple[str, ...]:
         """The names Prometheus stores for this family."""
@@ -37,8 +58,8 @@ class MetricSpec:
 
 
 def _m(name: str, kind: Kind, help: str, labels: tuple[str, ...], component: str,
-       graph: str = "agg") -> MetricSpec:
-    return MetricSpec(name, kind, help, labels, component, graph)
+       graph: str = "agg", buckets: tuple[float, ...] = LATENCY_BUCKETS) -> MetricSpec:
+    return MetricSpec(name, kind, help, labels, component, graph, buckets)
 
 
 FRONTEND = "Frontend"
@@ -48,21 +69,24 @@ WORKER = "VllmWorker"
 PREFILL = "PrefillWorker"
 
 CATALOG: tuple[MetricSpec, ...] = (
-    # Frontend (dynagraph/llm/http/metrics.py): Dynamo's dynamo_frontend_* names.
+    # Frontend (dynagraph/observability/frontend_metrics.py): Dynamo's dynamo_frontend_* names.
     _m("dynamo_frontend_requests_total", "counter", "Requests handled by the HTTP frontend",
        ("model", "endpoint", "request_type", "status"), FRONTEND),
     _m("dynamo_frontend_inflight_requests", "gauge", "Requests currently being processed",
        ("model",), FRONTEND),
     _m("dynamo_frontend_time_to_first_token_seconds", "histogram",
-       "Time from request arrival to the first generated text", ("model",), FRONTEND),
+       "Time from request arrival to the first generated text", ("model",), FRONTEND,
+       buckets=TTFT_BUCKETS),
     _m("dynamo_frontend_inter_token_latency_seconds", "histogram",
-       "Time between generated tokens", ("model",), FRONTEND),
+       "Time between generated tokens (per streamed chunk, divided by its tokens)", ("model",),
+       FRONTEND, buckets=ITL_BUCKETS),
     _m("dynamo_frontend_request_duration_seconds", "histogram",
-       "Time from request arrival to the end of the response", ("model",), FRONTEND),
+       "Time from request arrival to the end of the response", ("model",), FRONTEND,
+       buckets=DURATION_BUCKETS),
     _m("dynamo_frontend_input_sequence_tokens", "histogram", "Prompt length in tokens",
-       ("model",), FRONTEND),
+       ("model",), FRONTEND, buckets=TOKEN_BUCKETS),
     _m("dynamo_frontend_output_sequence_tokens", "histogram", "Generated length in tokens",
-       ("model",), FRONTEND),
+       ("model",), FRONTEND, buckets=TOKEN_BUCKETS),
     _m("dynamo_frontend_client_disconnects_total", "counter",
        "Requests whose client disconnected before the response was complete",
        ("model",), FRONTEND),
@@ -74,7 +98,7 @@ CATALOG: tuple[MetricSpec, ...] = (
        "Time to apply the chat template and tokenize one request", (), PROCESSOR),
     _m("dynamo_processor_detokenize_seconds", "histogram",
        "Time spent detokenizing one request's output, summed over its chunks", (), PROCESSOR),
-    # Decode worker load (dynagraph/llm/worker_metrics.py), vLLM's meanings.
+    # Decode worker load (dynagraph/observability/worker_metrics.py), vLLM's meanings.
     _m("dynamo_worker_requests_running", "gauge", "Requests being processed by the engine.",
        ("worker",), WORKER),
     _m("dynamo_worker_requests_waiting", "gauge", "Requests queued in the engine.",
@@ -88,7 +112,7 @@ CATALOG: tuple[MetricSpec, ...] = (
        "Prompt tokens looked up in the prefix cache.", ("worker",), WORKER),
     _m("dynamo_worker_prefix_cache_hits_total", "counter",
        "Prompt tokens found in the prefix cache.", ("worker",), WORKER),
-    # Router (components/kv_router.py; the same objects: observability/router_metrics.py).
+    # Router (dynagraph/observability/router_metrics.py).
     _m("dynamo_router_decisions_total", "counter",
        "Routing decisions by chosen worker and mode", ("worker", "mode"), ROUTER, "agg_router"),
     _m("dynamo_router_request_blocks_total", "counter",
@@ -103,14 +127,13 @@ CATALOG: tuple[MetricSpec, ...] = (
        ("worker",), ROUTER, "agg_router"),
     _m("dynamo_router_kv_event_batches_total", "counter", "KV event batches applied",
        ("worker",), ROUTER, "agg_router"),
-    # Disaggregation, decode side (dynagraph/llm/remote_prefill.py PrefillMetrics, and
-    # dynagraph/observability/disagg_metrics.py DecodeMetrics for KV transfers/queue depth).
+    # Disaggregation, decode side (dynagraph/observability/disagg_metrics.py).
     _m("dynamo_worker_prefill_requests_total", "counter",
        "Prefills by where they ran (local, remote, fallback = wanted remote, ran local) "
        "and the reason", ("where", "reason"), WORKER, "disagg"),
     _m("dynamo_worker_remote_prefill_wait_seconds", "histogram",
        "Enqueue of a remote prefill job to its KV transfer parameters (or giving up)", (),
-       WORKER, "disagg"),
+       WORKER, "disagg", QUEUE_WAIT_BUCKETS),
     _m("dynamo_worker_kv_transfers_total", "counter",
        "KV cache transfers from prefill workers into this decode worker", ("worker",), WORKER,
        "disagg"),

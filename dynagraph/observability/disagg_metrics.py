@@ -1,11 +1,9 @@
-"""Disaggregation metrics: KV transfers and the prefill queue.
+"""Disaggregation metrics: where prefills ran, KV transfers, the prefill queue.
 
-(Local vs remote prefills are ``dynamo_worker_prefill_requests_total{where, reason}``,
-exported by ``dynagraph.llm.remote_prefill.PrefillMetrics``.)
-
-Decode worker (one object per process, ``dynagraph.llm.decode_disagg``):
+Decode worker (``dynagraph.llm.disagg.decode``): ``PrefillMetrics.observe(plan)`` per
+request (``dynamo_worker_prefill_requests_total{where, reason}`` and the remote wait);
 ``DecodeMetrics.kv_transfer(nbytes, seconds)`` per KV transfer the engine finished
-(vLLM's NixlConnector stats, via ``VllmEngine.observe_kv_transfers``), and
+(vLLM's NixlConnector stats, via ``VllmEngine.observe_kv_transfers``) and
 ``queue_depth(n)`` every second from the queue's ``depth()``.
 
 Prefill worker (``components/prefill_worker.py``): ``PrefillQueueMetrics.pulled(
@@ -16,10 +14,37 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 from prometheus_client import REGISTRY, CollectorRegistry
 
-from dynagraph.observability._build import counter, gauge, histogram
+from dynagraph.observability.metrics import counter, gauge, histogram
+
+
+class PlanLike(Protocol):
+    """What ``PrefillMetrics`` reads of a ``dynagraph.llm.disagg.PrefillPlan``."""
+
+    @property
+    def label(self) -> str: ...
+    @property
+    def reason(self) -> str: ...
+    @property
+    def wanted_remote(self) -> bool: ...
+    @property
+    def wait_s(self) -> float: ...
+
+
+class PrefillMetrics:
+    """Decode side: where prefills ran and why, and how long remote ones waited."""
+
+    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
+        self.requests = counter("dynamo_worker_prefill_requests_total", registry)
+        self.remote_wait = histogram("dynamo_worker_remote_prefill_wait_seconds", registry)
+
+    def observe(self, plan: PlanLike) -> None:
+        self.requests.labels(plan.label, plan.reason).inc()
+        if plan.wanted_remote:
+            self.remote_wait.observe(plan.wait_s)
 
 
 class DecodeMetrics:

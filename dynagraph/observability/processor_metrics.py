@@ -1,8 +1,8 @@
 """Processor metrics: time in the Processor before dispatch, tokenize and detokenize time.
 
-Use (one object per process, built in the component's ``__init__``)::
+Use (built in the component's ``__init__``)::
 
-    self.metrics = ProcessorMetrics()                      # default registry
+    self.metrics = ProcessorMetrics(self.runtime.registry)
     ...
     timer = self.metrics.request()                         # at arrival
     with timer.tokenizing():
@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 from prometheus_client import REGISTRY, CollectorRegistry
 
-from dynagraph.observability._build import histogram
+from dynagraph.observability.metrics import histogram
 
 T = TypeVar("T")
 

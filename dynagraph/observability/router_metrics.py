@@ -1,10 +1,8 @@
 """Router metrics: decisions, prefix overlap, decision latency, index size, KV event batches.
 
-``components/kv_router.py`` defines the first five as module-level objects with these
-names; ``RouterMetrics`` is the same set (plus ``dynamo_router_decision_seconds``) for
-code that wants them in its own registry. Use one or the other in a process::
+The Router component builds one set from its runtime's registry::
 
-    self.metrics = RouterMetrics()
+    self.metrics = RouterMetrics(self.runtime.registry)
     self.metrics.decision(mode="kv", worker=f"{wid:x}", request_blocks=n,
                           overlap_blocks=k, seconds=t)
     self.metrics.kv_event_batch(f"{wid:x}")
@@ -16,7 +14,7 @@ from __future__ import annotations
 
 from prometheus_client import REGISTRY, CollectorRegistry
 
-from dynagraph.observability._build import counter, gauge, histogram
+from dynagraph.observability.metrics import counter, gauge, histogram
 
 
 class RouterMetrics:

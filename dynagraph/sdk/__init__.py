@@ -5,11 +5,12 @@ from dynagraph.sdk import service, depends, endpoint, async_on_start, async_on_s
 ```
 """
 
-from dynagraph.sdk._client import ComponentClient, EndpointClient
+from dynagraph.sdk._client import ClientFactory, ComponentClient, EndpointClient, failover
 from dynagraph.sdk._config import ComponentConfig, ServiceArgs, resolve_config
 from dynagraph.sdk._context import RuntimeContext, current_request_id
 from dynagraph.sdk._graph import Graph, resolve_target
 from dynagraph.sdk._service import (
+    Component,
     ServiceSpec,
     async_on_shutdown,
     async_on_start,
@@ -20,6 +21,8 @@ from dynagraph.sdk._service import (
 )
 
 __all__ = [
+    "ClientFactory",
+    "Component",
     "ComponentClient",
     "ComponentConfig",
     "EndpointClient",
@@ -32,6 +35,7 @@ __all__ = [
     "current_request_id",
     "depends",
     "endpoint",
+    "failover",
     "resolve_config",
     "resolve_target",
     "service",

@@ -12,11 +12,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random as _random
-from collections.abc import AsyncIterator, Callable
-from typing import Any, Protocol
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import Any, Protocol, TypeVar
 
+from dynagraph.aio import aclose
 from dynagraph.errors import InstanceUnavailable, NoInstancesError
+from dynagraph.runtime.round_robin import RoundRobin
 from dynagraph.sdk._context import REQUEST_ID_HEADER, current_request_id
+
+C = TypeVar("C")
 
 
 class InstanceSource(Protocol):
@@ -43,7 +47,7 @@ class EndpointClient:
         self._source = source
         self.component = component
         self.endpoint = endpoint
-        self._rr = 0
+        self._rr = RoundRobin()
         self._rng = rng or _random.Random()
 
     def instances(self) -> list[Any]:
@@ -52,14 +56,10 @@ class EndpointClient:
     def instance_ids(self) -> list[int]:
         return [i.instance_id for i in self._source.instances()]
 
-    def round_robin(self, request: Any, *, headers: dict[str, str] | None = None) -> AsyncIterator[Any]:
-        def pick(live: list[Any]) -> Any:
-            self._rr += 1
-            return live[self._rr % len(live)]
+    def round_robin(self, request: Any, *, headers: dict[str, str] | None = None) -> AsyncGenerator[Any, None]:
+        return self._with_retry(request, self._rr.pick, headers)
 
-        return self._with_retry(request, pick, headers)
-
-    def random(self, request: Any, *, headers: dict[str, str] | None = None) -> AsyncIterator[Any]:
+    def random(self, request: Any, *, headers: dict[str, str] | None = None) -> AsyncGenerator[Any, None]:
         return self._with_retry(request, self._rng.choice, headers)
 
     async def _await_any(self) -> None:
@@ -81,49 +81,91 @@ class EndpointClient:
         return []
 
     async def direct(self, request: Any, instance_id: int, *,
-                     headers: dict[str, str] | None = None) -> AsyncIterator[Any]:
-        for inst in self._source.instances():
-            if inst.instance_id == instance_id:
-                break
-        else:
-            raise NoInstancesError(
-                f"{self.component}/{self.endpoint}: no live instance {instance_id:x}"
-            )
+                     headers: dict[str, str] | None = None) -> AsyncGenerator[Any, None]:
+        inst = await self._instance(instance_id)
         it = self._caller.call(inst.address, self.endpoint, request, headers=_headers(headers))
         try:
             async for item in it:
                 yield item
         finally:
-            await _aclose(it)
+            await aclose(it)
+
+    async def _instance(self, instance_id: int) -> Any:
+        """The live instance ``instance_id``; a just-created watch may lag by a few ms."""
+        deadline = asyncio.get_running_loop().time() + self.wait_timeout
+        while True:
+            for inst in self._source.instances():
+                if inst.instance_id == instance_id:
+                    return inst
+            if asyncio.get_running_loop().time() >= deadline or getattr(
+                    self._source, "wait_for", None) is None:
+                raise NoInstancesError(
+                    f"{self.component}/{self.endpoint}: no live instance {instance_id:x}")
+            await asyncio.sleep(0.02)
 
     async def _with_retry(self, request: Any, pick: Callable[[list[Any]], Any],
-                          headers: dict[str, str] | None) -> AsyncIterator[Any]:
-        failed: set[int] = set()
+                          headers: dict[str, str] | None) -> AsyncGenerator[Any, None]:
         headers = _headers(headers)
         await self._await_any()
-        while True:
-            live = [i for i in self._source.instances() if i.instance_id not in failed]
+
+        async def next_instance(failed: list[Any]) -> Any | None:
+            ids = {i.instance_id for i in failed}
+            live = [i for i in self._source.instances() if i.instance_id not in ids]
             if not live and failed:
-                live = await self._await_new(failed)
-            if not live:
-                what = "reachable " if failed else ""
-                raise NoInstancesError(f"no {what}instance of {self.component}/{self.endpoint}")
-            inst = pick(live)
-            it = self._caller.call(inst.address, self.endpoint, request, headers=headers)
+                live = await self._await_new(ids)
+            return pick(live) if live else None
+
+        def no_instance(last: Exception | None) -> Exception:
+            what = "reachable " if last is not None else ""
+            return NoInstancesError(f"no {what}instance of {self.component}/{self.endpoint}")
+
+        stream = failover(
+            next_instance,
+            lambda inst: self._caller.call(inst.address, self.endpoint, request, headers=headers),
+            retry_on=(InstanceUnavailable,), exhausted=no_instance)
+        async with contextlib.aclosing(stream):
+            async for item in stream:
+                yield item
+
+
+async def failover(
+    next_target: Callable[[list[C]], Awaitable[C | None]],
+    open_stream: Callable[[C], AsyncIterator[Any]],
+    *,
+    retry_on: tuple[type[Exception], ...],
+    exhausted: Callable[[Exception | None], Exception],
+    on_retry: Callable[[C, Exception], None] | None = None,
+) -> AsyncGenerator[Any, None]:
+    """Stream from the first target that produces its first item.
+
+    ``next_target(failed)`` names the next target to try (None: no more). A target whose
+    stream fails with ``retry_on`` *before its first item* is closed, added to
+    ``failed`` and the next one is tried: nothing reached the caller yet, so retrying is
+    safe. A failure after the first item is raised as is. When no target is left,
+    ``exhausted(last_failure)`` is raised.
+    """
+    failed: list[C] = []
+    last: Exception | None = None
+    while (target := await next_target(failed)) is not None:
+        stream = open_stream(target)
+        try:
             try:
-                try:
-                    first = await it.__anext__()
-                except StopAsyncIteration:
-                    return
-                except InstanceUnavailable:
-                    failed.add(inst.instance_id)
-                    continue
-                yield first
-                async for item in it:
-                    yield item
+                first = await anext(stream)
+            except StopAsyncIteration:
                 return
-            finally:
-                await _aclose(it)
+            except retry_on as exc:
+                failed.append(target)
+                last = exc
+                if on_retry is not None:
+                    on_retry(target, exc)
+                continue
+            yield first
+            async for item in stream:
+                yield item
+            return
+        finally:
+            await aclose(stream)
+    raise exhausted(last)
 
 
 class ComponentClient:
@@ -142,26 +184,20 @@ class ComponentClient:
     def instance_ids(self, endpoint: str = "generate") -> list[int]:
         return self.endpoint(endpoint).instance_ids()
 
-    def generate(self, request: Any, **kw: Any) -> AsyncIterator[Any]:
+    def generate(self, request: Any, **kw: Any) -> AsyncGenerator[Any, None]:
         return self.endpoint("generate").round_robin(request, **kw)
 
-    def random(self, request: Any, *, endpoint: str = "generate", **kw: Any) -> AsyncIterator[Any]:
+    def random(self, request: Any, *, endpoint: str = "generate", **kw: Any) -> AsyncGenerator[Any, None]:
         return self.endpoint(endpoint).random(request, **kw)
 
     def direct(self, request: Any, instance_id: int, *, endpoint: str = "generate",
-               **kw: Any) -> AsyncIterator[Any]:
+               **kw: Any) -> AsyncGenerator[Any, None]:
         return self.endpoint(endpoint).direct(request, instance_id, **kw)
 
-    def __getattr__(self, name: str) -> Callable[..., AsyncIterator[Any]]:
+    def __getattr__(self, name: str) -> Callable[..., AsyncGenerator[Any, None]]:
         if name.startswith("_"):
             raise AttributeError(name)
         return self.endpoint(name).round_robin
-
-
-async def _aclose(it: AsyncIterator[Any]) -> None:
-    aclose = getattr(it, "aclose", None)
-    if aclose is not None:
-        await aclose()
 
 
 def _headers(headers: dict[str, str] | None) -> dict[str, str] | None:
@@ -170,3 +206,36 @@ def _headers(headers: dict[str, str] | None) -> dict[str, str] | None:
         return headers
     rid = current_request_id()
     return {REQUEST_ID_HEADER: rid} if rid else None
+
+
+class ClientFactory:
+    """Builds endpoint clients from discovery and owns their instance watches.
+
+    One per component process (``ComponentRuntime``); ``close()`` ends every watch.
+    """
+
+    def __init__(self, caller: Caller, discovery: Any) -> None:
+        self._caller = caller
+        self._discovery = discovery
+        self._clients: dict[tuple[str, str, str], EndpointClient] = {}
+        self._watches: list[Any] = []
+
+    async def endpoint(self, namespace: str, component: str, endpoint: str) -> EndpointClient:
+        key = (namespace, component, endpoint)
+        client = self._clients.get(key)
+        if client is None:
+            watch = await self._discovery.watch_instances(namespace, component, endpoint)
+            self._watches.append(watch)
+            client = self._clients[key] = EndpointClient(self._caller, watch, component, endpoint)
+        return client
+
+    async def component(self, namespace: str, component: str,
+                        endpoints: list[str]) -> ComponentClient:
+        return ComponentClient(component, {
+            name: await self.endpoint(namespace, component, name) for name in endpoints})
+
+    async def close(self) -> None:
+        watches, self._watches = self._watches, []
+        self._clients.clear()
+        for watch in watches:
+            await watch.close()

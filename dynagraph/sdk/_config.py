@@ -161,7 +161,8 @@ def _component_values(
                 f"unknown key (known: {', '.join(sorted(allowed))})", file=file, component=comp, key=key
             )
     model = _validate(cfg_type, raw, file, comp)
-    return model.model_dump(mode="json", by_alias=True)
+    values: dict[str, Any] = model.model_dump(mode="json", by_alias=True)
+    return values
 
 
 def _accepted_keys(cfg_type: type[BaseModel]) -> set[str]:

@@ -1,7 +1,7 @@
 """Per-process and per-request context a component can read.
 
-``self.runtime`` (a ``RuntimeContext``) is set on every component instance before its
-``__init__`` runs. The current request id travels in a context variable: handlers see
+``self.runtime`` (a ``RuntimeContext``) is handed to every component's constructor
+(``@service`` sets it before the author's ``__init__`` runs). The current request id travels in a context variable: handlers see
 the caller's id, clients forward it, and the log filter prints it.
 """
 
@@ -10,9 +10,14 @@ from __future__ import annotations
 import contextvars
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import REGISTRY, CollectorRegistry
 
 from dynagraph.runtime.rpc import REQUEST_ID_HEADER
+
+if TYPE_CHECKING:
+    from dynagraph.sdk._client import ClientFactory, EndpointClient
 
 __all__ = ["REQUEST_ID_HEADER", "RuntimeContext", "current_request_id"]
 
@@ -51,16 +56,40 @@ class RuntimeContext:
 
     ``metadata`` may be filled by the component in its ``@async_on_start`` hook (for
     example ``{"url": "http://127.0.0.1:8000"}``); it is published with the instance.
+    ``registry`` is where the component's Prometheus metrics go (the process's default
+    registry when served). ``clients`` builds clients of components found by name
+    (``client()``); None in a standalone context.
     """
 
     namespace: str
     component: str
     worker_index: int
     instance_id: int
-    discovery: Any  # dynagraph.runtime.discovery.Discovery
+    discovery: Any  # dynagraph.runtime.discovery.Discovery, or None when standalone
     nats_url: str | None = None
     metrics_address: str | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
+    registry: CollectorRegistry = REGISTRY
+    clients: ClientFactory | None = None
+
+    @classmethod
+    def standalone(cls, namespace: str, component: str) -> RuntimeContext:
+        """A context for a component built outside ``dynamo serve`` (unit tests, scripts):
+        no discovery, instance id 0, a private metrics registry."""
+        return cls(namespace=namespace, component=component, worker_index=0, instance_id=0,
+                   discovery=None, registry=CollectorRegistry())
+
+    async def client(self, component: str, endpoint: str, *,
+                     namespace: str | None = None) -> EndpointClient:
+        """A client of ``component``'s ``endpoint``, found by name in discovery.
+
+        For calls to a component that is not a ``depends()`` of this one (e.g. the
+        PrefillWorker calling back the decode worker that queued a job). Cached per
+        endpoint; closed with the component.
+        """
+        if self.clients is None:
+            raise RuntimeError(f"{self.component}: no discovery in a standalone runtime")
+        return await self.clients.endpoint(namespace or self.namespace, component, endpoint)
 
     def settings_prefix(self, component: str | None = None) -> str:
         """etcd prefix of runtime-tunable settings: ``/{ns}/settings/{component}/``."""

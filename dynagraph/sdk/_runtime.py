@@ -1,6 +1,7 @@
 """Runs one instance of one component inside the current process.
 
-Order on start: dependency clients (watches warm) -> ``__init__(config)`` ->
+Order on start: dependency clients (watches warm) -> construction
+(``cls(config, runtime=..., **dependency_clients)``) ->
 ``@async_on_start`` hooks -> request-plane server -> endpoint registration -> instance
 record. So "registered" means "ready to serve". Order on stop: server stops accepting
 and drains (grace) -> ``@async_on_shutdown`` hooks -> clients closed -> lease revoked,
@@ -20,7 +21,7 @@ from pydantic import BaseModel, ValidationError
 
 from dynagraph.errors import InvalidRequest
 from dynagraph.runtime.rpc import RequestContext, RpcClient, RpcServer
-from dynagraph.sdk._client import ComponentClient, EndpointClient
+from dynagraph.sdk._client import ClientFactory, ComponentClient
 from dynagraph.sdk._config import build_config
 from dynagraph.sdk._context import (
     RuntimeContext,
@@ -50,26 +51,24 @@ class ComponentRuntime:
         self.metrics_address = metrics_address
         self.drain_grace = drain_grace
         self.rpc_client = RpcClient()
+        self.clients = ClientFactory(self.rpc_client, discovery)
         self.server: RpcServer | None = None
         self.instance: Any = None
-        self._watches: list[Any] = []
 
     async def start(self) -> Any:
         """Build the component and publish it; returns the component instance."""
-        obj = self.cls.__new__(self.cls)
-        for attr, target in self.graph.edges(self.cls).items():
-            setattr(obj, attr, await self._client_for(target) if target is not None else None)
-        obj.runtime = RuntimeContext(
+        deps = {attr: await self._client_for(target) if target is not None else None
+                for attr, target in self.graph.edges(self.cls).items()}
+        runtime = RuntimeContext(
             namespace=self.spec.namespace, component=self.spec.name,
             worker_index=self.worker_index, instance_id=self.discovery.instance_id,
             discovery=self.discovery, nats_url=self.nats_url,
-            metrics_address=self.metrics_address,
+            metrics_address=self.metrics_address, clients=self.clients,
         )
-        config = build_config(self.cls, self.values)
         if self.spec.config_param is not None:
-            self.cls.__init__(obj, config)
+            obj = self.cls(build_config(self.cls, self.values), runtime=runtime, **deps)
         else:
-            self.cls.__init__(obj)
+            obj = self.cls(runtime=runtime, **deps)
         self.instance = obj
         for hook in self.spec.on_start:
             await getattr(obj, hook)()
@@ -79,7 +78,7 @@ class ComponentRuntime:
         await server.start()
         self.server = server
         meta = {"pid": os.getpid(), "worker_index": self.worker_index,
-                "metrics": self.metrics_address, **obj.runtime.metadata}
+                "metrics": self.metrics_address, **runtime.metadata}
         for ep in self.spec.endpoints:
             await self.discovery.register(self.spec.namespace, self.spec.name, ep.name,
                                           server.address, meta)
@@ -102,18 +101,13 @@ class ComponentRuntime:
                     await asyncio.wait_for(getattr(self.instance, hook)(), timeout=10)
                 except Exception:
                     log.exception("shutdown hook %s.%s failed", self.spec.name, hook)
-        for watch in self._watches:
-            await watch.close()
+        await self.clients.close()
         await self.rpc_client.close()
 
     async def _client_for(self, target: type) -> ComponentClient:
         tspec = spec_of(target)
-        endpoints: dict[str, EndpointClient] = {}
-        for ep in tspec.endpoints:
-            watch = await self.discovery.watch_instances(tspec.namespace, tspec.name, ep.name)
-            self._watches.append(watch)
-            endpoints[ep.name] = EndpointClient(self.rpc_client, watch, tspec.name, ep.name)
-        return ComponentClient(tspec.name, endpoints)
+        return await self.clients.component(tspec.namespace, tspec.name,
+                                            [ep.name for ep in tspec.endpoints])
 
 
 def _decoder(request_type: type | None, where: str) -> Callable[[Any], Any]:

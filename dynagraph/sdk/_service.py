@@ -1,20 +1,38 @@
 """Decorators a component author uses: ``@service``, ``@endpoint``, ``depends()`` and the
-lifecycle hooks. They only attach plain metadata to the class; nothing is registered
+lifecycle hooks. They attach plain metadata to the class; nothing is registered
 globally and nothing runs on import.
+
+Construction (Ray Serve's ``.bind()`` idea): ``@service`` makes the class's constructor
+take its collaborators as arguments::
+
+    Processor(config, runtime=rt, router=router_client, worker=worker_client)
+
+``runtime`` becomes ``self.runtime`` and each ``depends()`` name becomes the attribute
+of that name, *before* the author's ``__init__(self, config)`` runs; a dependency not
+passed is ``None`` (as when the graph does not link it) and a missing ``runtime`` is
+a standalone ``RuntimeContext`` (no discovery, a private metrics registry). An author's
+``__init__`` may also declare ``runtime`` or a dependency as a keyword parameter to
+receive it directly. ``dynamo serve`` constructs components exactly this way, so a unit
+test builds the real component with in-memory clients.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import msgspec
 from pydantic import BaseModel
 
 from dynagraph.errors import GraphError
+
+if TYPE_CHECKING:
+    from dynagraph.sdk._context import RuntimeContext
+    from dynagraph.sdk._graph import Graph
 
 T = TypeVar("T", bound=type)
 F = TypeVar("F", bound=Callable[..., Any])
@@ -125,17 +143,76 @@ def service(
         param, cfg_type = _config_param(cls)
         spec = ServiceSpec(**{**spec.__dict__, "config_param": param, "config_type": cfg_type})
         setattr(cls, _SPEC_ATTR, spec)
-        if "link" not in cls.__dict__:
-            cls.link = classmethod(_link)  # type: ignore[attr-defined]
+        # setattr: the class is only known as a type variable here (mypy: "T has no link").
+        setattr(cls, "__init__", _injecting_init(cls, spec))  # noqa: B010
+        if not hasattr(cls, "link"):
+            setattr(cls, "link", classmethod(_link))  # noqa: B010
         return cls
 
     return wrap
 
 
-def _link(cls: type, other: type) -> Any:
+class Component:
+    """Optional base class of a component: gives type checkers ``link`` and ``runtime``.
+
+    ``@service`` works on any class; inheriting from this one only adds the static types
+    (``Frontend.link(Processor)`` and ``self.runtime`` are then checked by mypy).
+    """
+
+    runtime: RuntimeContext
+    __dynagraph_service__: ClassVar[ServiceSpec]
+
+    @classmethod
+    def link(cls, other: type) -> Graph:
+        """The graph ``[cls, other]``; chain further ``.link()`` calls on the result."""
+        return _link(cls, other)
+
+
+def _link(cls: type, other: type) -> Graph:
     from dynagraph.sdk._graph import Graph
 
     return Graph.of(cls).link(other)
+
+
+def _injecting_init(cls: type, spec: ServiceSpec) -> Callable[..., None]:
+    """``__init__(self, config=None, /, *, runtime=None, **dependencies)`` around the author's."""
+    authored = _own_or_inherited_init(cls)
+    accepts = set(inspect.signature(authored).parameters) if authored is not None else set()
+    deps = tuple(spec.dependencies)
+    passed_through = [n for n in ("runtime", *deps) if n in accepts]
+
+    def __init__(self: Any, config: Any = None, /, *, runtime: Any = None,
+                 **clients: Any) -> None:
+        unknown = sorted(set(clients) - set(deps))
+        if unknown:
+            raise TypeError(f"{cls.__name__}() got unknown dependencies {unknown}; "
+                            f"it depends on {list(deps) or 'nothing'}")
+        if runtime is None and "runtime" not in self.__dict__:
+            from dynagraph.sdk._context import RuntimeContext
+
+            runtime = RuntimeContext.standalone(spec.namespace, spec.name)
+        if runtime is not None:
+            self.runtime = runtime
+        for name in deps:
+            if name in clients or name not in self.__dict__:
+                setattr(self, name, clients.get(name))
+        if authored is None:
+            return
+        kwargs = {n: getattr(self, n) for n in passed_through}
+        if spec.config_param is not None:
+            if config is None:
+                raise TypeError(f"{cls.__name__}() needs its config "
+                                f"({spec.config_type.__name__ if spec.config_type else '?'})")
+            authored(self, config, **kwargs)
+        elif config is not None:
+            raise TypeError(f"{cls.__name__}.__init__ takes no config")
+        else:
+            authored(self, **kwargs)
+
+    if authored is not None:
+        functools.update_wrapper(__init__, authored)
+    __init__.__dynagraph_injecting__ = True  # type: ignore[attr-defined]
+    return __init__
 
 
 def spec_of(cls: type) -> ServiceSpec:
@@ -192,8 +269,17 @@ def _hooks(cls: type, kind: str) -> list[str]:
     ]
 
 
+def _own_or_inherited_init(cls: type) -> Callable[..., None] | None:
+    """The ``__init__`` the author wrote (or inherited from a base other than ``object``)."""
+    init: Callable[..., None] | None = cls.__dict__.get("__init__")
+    inherited = getattr(cls, "__init__")  # noqa: B009 - mypy refuses cls.__init__ on a type
+    if init is None and inherited is not object.__init__:
+        init = inherited
+    return init
+
+
 def _config_param(cls: type) -> tuple[str | None, type[BaseModel] | None]:
-    init = cls.__dict__.get("__init__")
+    init = _own_or_inherited_init(cls)
     if init is None:
         return None, None
     hints = _hints(init)

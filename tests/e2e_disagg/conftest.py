@@ -19,9 +19,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dynagraph.llm.model_builder import ensure_model
 from dynagraph.runtime.infra import LocalService, start_etcd, start_nats
 from tests.support.serve import REPO, ServeProcess
+from tools.model_builder import ensure_model
 
 MODEL_DIR = REPO / "models" / "tiny-llama"
 MODEL = "tiny-llama"

@@ -18,9 +18,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dynagraph.llm.model_builder import ensure_model
 from dynagraph.runtime.infra import start_etcd, start_nats
 from tests.support.serve import REPO, ServeProcess
+from tools.model_builder import ensure_model
 
 pytestmark = [pytest.mark.nixl, pytest.mark.vllm, pytest.mark.integration]
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from dynagraph.llm.model_builder import (
+from tools.model_builder import (
     BOS,
     IM_END,
     REQUIRED_FILES,

@@ -31,7 +31,6 @@ from dynagraph.llm.http.errors import (
     from_validation_error,
     json_response,
 )
-from dynagraph.llm.http.metrics import ERROR, STREAM, SUCCESS, UNARY, FrontendMetrics
 from dynagraph.llm.http.sse import (
     DONE,
     ChatStreamEncoder,
@@ -58,6 +57,7 @@ from dynagraph.llm.protocol import (
     TextChunk,
     Usage,
 )
+from dynagraph.observability.frontend_metrics import ERROR, STREAM, SUCCESS, UNARY, FrontendMetrics
 
 log = logging.getLogger(__name__)
 

@@ -4,13 +4,14 @@
     events   decode_frames/...    vLLM ZMQ KV event frames -> typed events -> index
     index    PrefixIndex          block hash -> bitmask of workers; find_matches
     cost     choose_worker        overlaps + loads + request length + RNG -> Decision
+    state    RouterState          the index, loads and in-flight requests; decide()
 
 No I/O anywhere here: the component owns sockets, discovery and metrics.
 """
 
 from __future__ import annotations
 
-from .cost import Decision, RoundRobinState, RouterMode, WorkerLoad, choose_worker
+from .cost import Decision, RouterMode, WorkerLoad, choose_worker
 from .events import (
     AllCleared,
     BlocksRemoved,
@@ -19,6 +20,7 @@ from .events import (
     EventBatch,
     KvEvent,
     KvEventDecodeError,
+    RelayBatch,
     apply_events,
     decode_frames,
     decode_payload,
@@ -26,6 +28,7 @@ from .events import (
 )
 from .hashing import BlockHasher, external_hash, seed_from_env
 from .index import IndexStats, PrefixIndex
+from .state import RouteDecision, RouteRequest, RouterState
 
 __all__ = [
     "AllCleared",
@@ -39,7 +42,10 @@ __all__ = [
     "KvEvent",
     "KvEventDecodeError",
     "PrefixIndex",
-    "RoundRobinState",
+    "RelayBatch",
+    "RouteDecision",
+    "RouteRequest",
+    "RouterState",
     "RouterMode",
     "WorkerLoad",
     "apply_events",

@@ -13,7 +13,7 @@ Modes (``RouterMode``):
 ``kv-load``
     Load only: ``cost = active_blocks + request_blocks``; the cache is ignored.
 ``round-robin``
-    Live workers in ascending id order, one after the other (``RoundRobinState``).
+    Live workers in ascending id order, one after the other (``RoundRobin``).
 ``random``
     Uniform over live workers, drawn from the injected ``rng``.
 
@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from dynagraph.errors import ConfigError, NoInstancesError
+from dynagraph.runtime.round_robin import RoundRobin
 
 
 class RouterMode(StrEnum):
@@ -51,13 +52,6 @@ class WorkerLoad:
 
     active_blocks: int = 0  # KV blocks referenced by running requests
     waiting_requests: int = 0  # informational; not part of the cost yet
-
-
-@dataclass
-class RoundRobinState:
-    """The only mutable input: how many round-robin choices were made so far."""
-
-    counter: int = 0
 
 
 @dataclass(frozen=True)
@@ -96,7 +90,7 @@ def choose_worker(
     *,
     overlap_weight: float = 1.0,
     temperature: float = 0.0,
-    rr_state: RoundRobinState | None = None,
+    rr_state: RoundRobin | None = None,
 ) -> Decision:
     """Pick the worker for one request. See the module docstring for each mode.
 
@@ -121,8 +115,7 @@ def choose_worker(
     if mode is RouterMode.ROUND_ROBIN:
         if rr_state is None:
             raise ConfigError("round-robin mode needs an rr_state", key="router-mode")
-        chosen = candidates[rr_state.counter % len(candidates)]
-        rr_state.counter += 1
+        chosen = rr_state.pick(candidates)
         return Decision(chosen, min(overlaps.get(chosen, 0), request_blocks))
     if mode is RouterMode.RANDOM:
         chosen = rng.choice(candidates)

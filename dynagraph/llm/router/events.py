@@ -233,3 +233,38 @@ def hashes_agree(hasher: BlockHasher, event: BlocksStoredWithTokens) -> bool | N
     if event.block_size != hasher.block_size:
         return False
     return hasher.block_hashes(event.token_ids) == event.block_hashes
+
+
+# --- the worker -> Router stream (a worker's ``kv_events`` endpoint) -----------------
+
+
+class RelayBatch(msgspec.Struct, frozen=True):
+    """One message of a ``kv_events`` stream (travels as a msgpack map).
+
+    Apply in this order: if ``snapshot`` or ``cleared``, forget every block of the
+    worker; then remove ``removed``; then add ``stored``. ``seq`` increases by one
+    per live batch; a snapshot carries the seq of the last batch it includes.
+    """
+
+    seq: int
+    snapshot: bool = False
+    cleared: bool = False
+    stored: list[int] = []
+    removed: list[int] = []
+
+    def to_wire(self) -> dict[str, Any]:
+        return msgspec.to_builtins(self)  # type: ignore[no-any-return]
+
+    @classmethod
+    def from_wire(cls, data: Any) -> RelayBatch:
+        return msgspec.convert(data, cls)
+
+    def apply_to(self, index: PrefixIndex, worker_id: int) -> None:
+        """Mirror this batch into ``index`` under ``worker_id``."""
+        if self.snapshot or self.cleared:
+            index.clear_worker(worker_id)
+        index.add_worker(worker_id)
+        if self.removed:
+            index.apply_removed(worker_id, self.removed)
+        if self.stored:
+            index.apply_stored(worker_id, None, self.stored)

@@ -105,12 +105,12 @@ class FrameEncoder:
         return self._frame((ERROR, name, message, name, {}))
 
     def _frame(self, body: tuple[Any, ...]) -> bytes:
-        data = self._pack(body)
+        data: bytes = self._pack(body)
         return _LEN.pack(len(data)) + data
 
 
 def _static_frame(body: tuple[Any, ...]) -> bytes:
-    data = msgpack.packb(body)
+    data: bytes = msgpack.packb(body)
     return _LEN.pack(len(data)) + data
 
 

@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 
-from components.kv_router import Router, RouterConfig, RouteRequest, RouterState
+from components.kv_router import Router, RouterConfig
 from dynagraph.errors import NoInstancesError, StreamBroken
 from dynagraph.llm.engines.base import EngineLoad
-from dynagraph.llm.kv_relay import RelayBatch
-from dynagraph.llm.router import BlockHasher, RouterMode
+from dynagraph.llm.router import BlockHasher, RouteRequest, RouterMode, RouterState
+from dynagraph.llm.router.events import RelayBatch
 from dynagraph.runtime.discovery import MemoryDiscovery, MemoryStore
 from dynagraph.sdk import RuntimeContext
 
@@ -126,12 +126,10 @@ async def until(pred: Callable[[], bool], within: float = 2.0) -> None:
 async def _router(store: MemoryStore, fake: FakeWorkers, **cfg: Any) -> Router:
     disc = MemoryDiscovery(store)
     await disc.start()
-    router = Router.__new__(Router)
-    router.worker = fake  # type: ignore[assignment]
-    router.runtime = RuntimeContext(  # type: ignore[attr-defined]
-        namespace="dynamo", component="Router", worker_index=0,
-        instance_id=disc.instance_id, discovery=disc)
-    Router.__init__(router, RouterConfig(seed=0, reconnect_delay=0.01, **cfg))
+    runtime = RuntimeContext(namespace="dynamo", component="Router", worker_index=0,
+                             instance_id=disc.instance_id, discovery=disc)
+    router = Router(RouterConfig(seed=0, reconnect_delay=0.01, **cfg), runtime=runtime,
+                    worker=fake)
     await router.start()
     return router
 
@@ -174,14 +172,14 @@ async def test_router_follows_workers_events_loads_settings_and_lease_expiry() -
         assert (await anext(gen))["mode"] == "kv-load"
         await gen.aclose()  # type: ignore[attr-defined]
         await wa.put("/dynamo/settings/Router/mode", "round-robin")
-        await until(lambda: router.mode is RouterMode.ROUND_ROBIN)
+        await until(lambda: router.mode_for(None) is RouterMode.ROUND_ROBIN)
         assert {(await _route(router, shared))["worker_id"] for _ in range(2)} == {a, b}
         gen = router.generate(RouteRequest(token_ids=shared, mode=RouterMode.KV_LOAD))
         assert (await anext(gen))["mode"] == "round-robin"  # etcd wins over the request
         await gen.aclose()  # type: ignore[attr-defined]
         await wa.put("/dynamo/settings/Router/mode", "nonsense")
         await wa.delete("/dynamo/settings/Router/mode")
-        await until(lambda: router.mode is RouterMode.KV)
+        await until(lambda: router.mode_for(None) is RouterMode.KV)
 
         fake.q(b, "load_metrics").put_nowait(StreamBroken("b died"))
         await until(lambda: b not in router.state.healthy)

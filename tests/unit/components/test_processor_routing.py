@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -44,22 +45,28 @@ class FakeWorkers:
         yield {"from": instance_id, "done": True}
 
 
-def processor(router: Any, workers: FakeWorkers) -> Processor:
-    p = Processor.__new__(Processor)
-    p.router = router
-    p.worker = workers  # type: ignore[assignment]
-    p.config = ProcessorConfig(model="unused", router_mode="kv")
-    p._rr = 0
-    p.use_router = True
-    return p
+@pytest.fixture
+def processor(tiny_tokenizer_dir: Path) -> Callable[[Any, FakeWorkers], Processor]:
+    def make(router: Any, workers: FakeWorkers) -> Processor:
+        config = ProcessorConfig(model=str(tiny_tokenizer_dir), router_mode="kv")
+        return Processor(config, router=router, worker=workers)
+
+    return make
+
+
+Make = Callable[[Any, FakeWorkers], Processor]
+
+
+def decision(worker_id: int) -> dict[str, Any]:
+    return {"worker_id": worker_id, "overlap_blocks": 1, "request_blocks": 1, "mode": "kv"}
 
 
 async def run(p: Processor, tokens: list[int]) -> list[Any]:
     return [x async for x in p._routed({"token_ids": tokens}, tokens)]
 
 
-async def test_calls_the_worker_the_router_chose_and_closes_the_route() -> None:
-    router, workers = FakeRouter({"worker_id": 7, "overlap_blocks": 1}), FakeWorkers([5, 7])
+async def test_calls_the_worker_the_router_chose_and_closes_the_route(processor: Make) -> None:
+    router, workers = FakeRouter(decision(7)), FakeWorkers([5, 7])
     out = await run(processor(router, workers), [1, 2, 3])
     assert [x["from"] for x in out] == [7, 7] and workers.calls == [7]
     assert router.asked == [{"token_ids": [1, 2, 3], "track": True, "mode": "kv"}]
@@ -68,22 +75,22 @@ async def test_calls_the_worker_the_router_chose_and_closes_the_route() -> None:
 
 @pytest.mark.parametrize("exc", [InstanceUnavailable("refused"), StreamBroken("reset"),
                                  NoInstancesError("gone")])
-async def test_a_dead_chosen_worker_falls_back_to_another(exc: Exception) -> None:
+async def test_a_dead_chosen_worker_falls_back_to_another(exc: Exception, processor: Make) -> None:
     workers = FakeWorkers([5, 7], broken={7: exc})
-    out = await run(processor(FakeRouter({"worker_id": 7}), workers), [1])
+    out = await run(processor(FakeRouter(decision(7)), workers), [1])
     assert [x["from"] for x in out] == [5, 5] and workers.calls == [7, 5]
 
 
-async def test_a_failing_router_means_round_robin() -> None:
+async def test_a_failing_router_means_round_robin(processor: Make) -> None:
     workers = FakeWorkers([5, 7])
     p = processor(FakeRouter(RemoteError("Boom", "router bug")), workers)
     firsts = [(await run(p, [1]))[0]["from"] for _ in range(4)]
     assert sorted(firsts) == [5, 5, 7, 7]
 
 
-async def test_no_worker_left_raises() -> None:
+async def test_no_worker_left_raises(processor: Make) -> None:
     workers = FakeWorkers([7], broken={7: InstanceUnavailable("refused")})
     with pytest.raises(InstanceUnavailable):
-        await run(processor(FakeRouter({"worker_id": 7}), workers), [1])
+        await run(processor(FakeRouter(decision(7)), workers), [1])
     with pytest.raises(NoInstancesError):
         await run(processor(FakeRouter(RemoteError("X", "y")), FakeWorkers([])), [1])

@@ -16,14 +16,8 @@ from dynagraph.llm.detokenize import (
 )
 from dynagraph.llm.protocol import LLMEngineOutput, PreprocessedRequest, SamplingParams, TextChunk
 from dynagraph.llm.tokenizer import Tokenizer
-from tests.unit.llm._tiny_tokenizer import build_tiny_tokenizer
 
 MULTIBYTE = "Café crème 日本 🙂🚀👍🏽 déjà vu 日本語"
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
-    return Tokenizer.from_dir(build_tiny_tokenizer(tmp_path_factory.mktemp("tiny-tok")))
 
 
 def ids_of(tok: Tokenizer, text: str) -> list[int]:

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from dynagraph.llm.disagg import (
+from dynagraph.llm.disagg.policy import (
     LIVE_KEYS,
     DisaggConfig,
     LiveDisaggSettings,
@@ -107,7 +107,7 @@ def test_live_update_accepts_int_forms(value: Any) -> None:
 @pytest.mark.parametrize("value", [-1, "abc", b"\xff", 1.5, True, {"a": 1}, [3], "1e3"])
 def test_live_update_rejects_bad_values(value: Any, caplog: pytest.LogCaptureFixture) -> None:
     s = live()
-    with caplog.at_level(logging.WARNING, logger="dynagraph.llm.disagg"):
+    with caplog.at_level(logging.WARNING, logger="dynagraph.runtime.live_settings"):
         assert s.apply(K_Q, value) is False
     assert s.current == ON
     assert "ignoring bad value" in caplog.text

@@ -10,8 +10,8 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from dynagraph.llm.kv_relay import BlockSet, KvEventRelay, RelayBatch
-from dynagraph.llm.router.events import AllCleared, BlocksRemoved, BlocksStored
+from dynagraph.llm.kv.relay import BlockSet, KvEventRelay
+from dynagraph.llm.router.events import AllCleared, BlocksRemoved, BlocksStored, RelayBatch
 from dynagraph.llm.router.hashing import BlockHasher
 from dynagraph.llm.router.index import PrefixIndex
 
@@ -189,7 +189,7 @@ def test_refuses_other_hosts() -> None:
 
 async def test_load_snapshots_tick_at_the_interval() -> None:
     from dynagraph.llm.engines.base import EngineLoad
-    from dynagraph.llm.kv_relay import load_snapshots
+    from dynagraph.llm.kv.relay import load_snapshots
 
     calls = [0]
 

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from dynagraph.errors import ConfigError
-from dynagraph.llm.nixl_side import (
+from dynagraph.llm.kv.nixl_side import (
     DEFAULT_DELAY_US,
     DELAY_ENV,
     QUIET_MODULE,

@@ -11,12 +11,6 @@ from dynagraph.llm.protocol import (
     LLMEngineOutput,
 )
 from dynagraph.llm.tokenizer import Tokenizer
-from tests.unit.llm._tiny_tokenizer import build_tiny_tokenizer
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
-    return Tokenizer.from_dir(build_tiny_tokenizer(tmp_path_factory.mktemp("tiny-tok")))
 
 
 def chat(**fields: object) -> ChatCompletionRequest:

@@ -8,18 +8,20 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from dynagraph.errors import EngineError, NoInstancesError, StreamBroken
-from dynagraph.llm.disagg import DisaggConfig, LiveDisaggSettings
-from dynagraph.llm.engines.base import EngineOutput, SamplingSpec
-from dynagraph.llm.prefill_handler import PrefillJobHandler, serve_queue
-from dynagraph.llm.remote_prefill import (
+from dynagraph.llm.disagg.coordinator import (
     PrefillAck,
-    PrefillMetrics,
     PrefillResult,
     PrefixCacheEstimate,
     RemotePrefillCoordinator,
 )
+from dynagraph.llm.disagg.policy import DisaggConfig, LiveDisaggSettings
+from dynagraph.llm.disagg.prefill import PrefillJobHandler, serve_queue
+from dynagraph.llm.engines.base import EngineOutput, SamplingSpec
+from dynagraph.llm.router.hashing import BlockHasher
+from dynagraph.observability.disagg_metrics import PrefillMetrics
 from dynagraph.runtime.queue import (
     MemoryPrefillQueue,
     PrefillQueueError,
@@ -58,7 +60,7 @@ def settings(**kw: Any) -> LiveDisaggSettings:
 def coordinator(queue: Any, **kw: Any) -> RemotePrefillCoordinator:
     return RemotePrefillCoordinator(
         settings=kw.pop("settings", settings()), queue=queue, reply_to=REPLY,
-        prefix=PrefixCacheEstimate(block_size=16, capacity_blocks=1000),
+        prefix=PrefixCacheEstimate(BlockHasher(16), capacity_blocks=1000),
         prefill_workers=kw.pop("workers", lambda: 1), **kw,
     )
 
@@ -74,14 +76,15 @@ def wire(coord: RemotePrefillCoordinator, calls: list[PrefillResult]) -> Any:
 # --- PrefixCacheEstimate -------------------------------------------------------------------
 
 def test_prefix_estimate_full_blocks_and_lru() -> None:
-    est = PrefixCacheEstimate(block_size=4, capacity_blocks=3)
-    a = list(range(10))  # two full blocks
+    est = PrefixCacheEstimate(BlockHasher(4), capacity_blocks=3)
+    a = est.hashes(list(range(10)))  # two full blocks
+    assert a == BlockHasher(4).block_hashes(list(range(8)))  # the engine's own hashes
     assert est.cached_len(a) == 0
     est.record(a)
     assert len(est) == 2
     assert est.cached_len(a) == 8
-    assert est.cached_len(a[:4] + [99] * 6) == 4  # diverges in block 2
-    est.record([50, 51, 52, 53, 54, 55, 56, 57])  # 2 more blocks: evicts a's first block
+    assert est.cached_len(est.hashes(list(range(4)) + [99] * 6)) == 4  # diverges in block 2
+    est.record(est.hashes([50, 51, 52, 53, 54, 55, 56, 57]))  # 2 more: evicts a's first block
     assert len(est) == 3
     assert est.cached_len(a) == 0  # chain broken at block 1
 
@@ -111,7 +114,7 @@ async def test_cached_prefix_counts_against_the_threshold() -> None:
 async def test_remote_round_trip_through_the_queue() -> None:
     q = MemoryPrefillQueue()
     await q.connect()
-    metrics = PrefillMetrics(registry=None)
+    metrics = PrefillMetrics(CollectorRegistry())
     c = coordinator(q, metrics=metrics)
     engine = FakeEngine()
     sent: list[PrefillResult] = []

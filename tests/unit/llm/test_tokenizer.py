@@ -7,17 +7,7 @@ import pytest
 
 from dynagraph.errors import ConfigError, InvalidRequest
 from dynagraph.llm.tokenizer import Tokenizer
-from tests.unit.llm._tiny_tokenizer import build_tiny_tokenizer
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_tokenizer(tmp_path_factory.mktemp("tiny-tok"))
-
-
-@pytest.fixture(scope="module")
-def tok(model_dir: Path) -> Tokenizer:
-    return Tokenizer.from_dir(model_dir)
+from tests.support.tokenizer import build_tiny_tokenizer
 
 
 def test_chat_template_with_generation_prompt(tok: Tokenizer) -> None:

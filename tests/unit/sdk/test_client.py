@@ -53,7 +53,7 @@ async def collect(it: AsyncIterator[Any]) -> list[Any]:
 async def test_round_robin_alternates_over_live_instances() -> None:
     c = EndpointClient(FakeCaller(), Source(1, 2, 3), "W", "generate")
     seen = [(await collect(c.round_robin("x")))[0] for _ in range(6)]
-    assert seen == ["addr2", "addr3", "addr1", "addr2", "addr3", "addr1"]
+    assert seen == ["addr1", "addr2", "addr3", "addr1", "addr2", "addr3"]
 
 
 async def test_retry_on_unreachable_instance_then_no_instances() -> None:

@@ -63,7 +63,6 @@ async def test_promtool_check_metrics_is_clean(make_app: AppFactory) -> None:
     assert out.strip() == b"" and err.strip() == b"", (out + err).decode()
 
 
-def test_two_apps_need_two_registries(make_app: AppFactory) -> None:
-    make_app(FakeBackend())
-    with pytest.raises(ValueError, match="Duplicated timeseries"):
-        make_app(FakeBackend())  # same registry fixture: a clear error, not silent sharing
+def test_two_apps_in_one_registry_share_its_metrics(make_app: AppFactory) -> None:
+    a, b = make_app(FakeBackend()), make_app(FakeBackend())
+    assert a.state.metrics.ttft is b.state.metrics.ttft  # one family per name per registry

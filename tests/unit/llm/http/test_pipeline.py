@@ -25,16 +25,10 @@ from dynagraph.llm.protocol import (
     TextChunk,
 )
 from dynagraph.llm.tokenizer import Tokenizer
-from tests.unit.llm._tiny_tokenizer import build_tiny_tokenizer
 
 from .conftest import MODEL, client_for, sse_events
 
 REPLY = "Café 日本 🙂🚀 ### END ### tail"
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
-    return Tokenizer.from_dir(build_tiny_tokenizer(tmp_path_factory.mktemp("tiny-tok")))
 
 
 class LocalPipeline:

@@ -8,11 +8,11 @@ import pytest
 from dynagraph.errors import ConfigError, NoInstancesError
 from dynagraph.llm.router.cost import (
     Decision,
-    RoundRobinState,
     RouterMode,
     WorkerLoad,
     choose_worker,
 )
+from dynagraph.runtime.round_robin import RoundRobin
 
 A, B, C = 101, 202, 303
 
@@ -74,7 +74,7 @@ def test_temperature_samples_in_proportion() -> None:
 
 
 def test_round_robin_cycles_in_id_order() -> None:
-    state = RoundRobinState()
+    state = RoundRobin()
     ld = loads(c=0, a=0, b=0)
     got = [
         choose_worker("round-robin", {B: 2}, ld, 4, random.Random(0), rr_state=state)

@@ -1,51 +1,44 @@
 """Everything a decode worker adds for disaggregated prefill, behind one small object.
 
-``components/worker.py`` (``VllmWorker``) stays thin: it mixes
-:class:`DecodeDisaggKeys` into its config, calls :meth:`DecodeDisagg.create` in
-``__init__`` (None unless the graph links a ``PrefillWorker`` *and* ``remote-prefill``
-is true), and then per request ``plan()`` -> ``engine.generate(...,
-kv_transfer_params=plan.kv_transfer_params)``; its ``prefill_done`` endpoint calls
-``deliver()``.
+``components/worker.py`` (``VllmWorker``) stays thin: its config includes
+:class:`DecodeDisaggKeys`, it calls :meth:`DecodeDisagg.create` in ``__init__`` (None
+unless the graph links a ``PrefillWorker`` *and* ``remote-prefill`` is true), and then
+per request ``plan()`` -> ``engine.generate(..., kv_transfer_params=plan.kv_transfer_params)``;
+its ``prefill_done`` endpoint calls ``deliver()``.
 
-What it owns: the engine's NIXL consumer set-up (``nixl_side``), the prefill-queue
-producer (``NatsPrefillQueue``), the live thresholds (``LiveDisaggSettings`` fed by an
-etcd watch on ``/{namespace}/settings/{component}/``), the NIXL record under the lease,
-and the :class:`RemotePrefillCoordinator`.
+What it owns: the engine's NIXL consumer set-up (``dynagraph.llm.kv.nixl_side``), the
+prefill-queue producer (``NatsPrefillQueue``), the live thresholds
+(``LiveDisaggSettings`` fed by an etcd watch on ``/{namespace}/settings/{component}/``),
+the NIXL record under the lease, and the :class:`RemotePrefillCoordinator`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import functools
 import logging
 from typing import Any, TypeVar
 
-from pydantic import ConfigDict, Field
-
-from dynagraph.llm.disagg import DisaggConfig, LiveDisaggSettings
-from dynagraph.llm.engines.vllm_engine import VllmEngine, VllmEngineArgs
-from dynagraph.llm.nixl_side import (
-    DisaggWorkerKeys,
-    NixlEndpoint,
-    nixl_key,
-    prepare_nixl,
-)
-from dynagraph.llm.remote_prefill import (
+from dynagraph.aio import cancel_and_wait
+from dynagraph.llm.disagg.coordinator import (
     PREFILL_DONE_ENDPOINT,
-    PrefillMetrics,
     PrefillPlan,
     PrefillResult,
     PrefixCacheEstimate,
     RemotePrefillCoordinator,
 )
-from dynagraph.observability.disagg_metrics import DecodeMetrics
+from dynagraph.llm.disagg.keys import DecodeDisaggKeys
+from dynagraph.llm.disagg.policy import LiveDisaggSettings
+from dynagraph.llm.engines.vllm_engine import VllmEngine, VllmEngineArgs
+from dynagraph.llm.kv.nixl_side import NixlEndpoint, nixl_key, prepare_nixl
+from dynagraph.llm.router.hashing import BlockHasher
+from dynagraph.observability.disagg_metrics import DecodeMetrics, PrefillMetrics
 from dynagraph.runtime.queue import (
     NatsPrefillQueue,
     PrefillQueueError,
     PrefillSampling,
     ReplyTarget,
 )
+from dynagraph.sdk import RuntimeContext
 
 log = logging.getLogger(__name__)
 
@@ -55,47 +48,10 @@ QUEUE_DEPTH_INTERVAL_S = 1.0
 """How often the exported prefill queue depth (``dynamo_prefill_queue_depth``) is refreshed."""
 
 
-@functools.cache
-def _process_metrics(worker: str) -> tuple[PrefillMetrics, DecodeMetrics]:
-    """One set per process (one decode worker each): the default registry refuses a
-    second registration."""
-    return PrefillMetrics(), DecodeMetrics(worker=worker)
-
-
-def _kebab(name: str) -> str:
-    return name.replace("_", "-")
-
-
-class DecodeDisaggKeys(DisaggWorkerKeys):
-    """The decode worker's disaggregation keys (YAML in kebab-case); see ``DisaggConfig``.
-
-    ``max-local-prefill-length`` and ``max-prefill-queue-size`` can be changed live in
-    etcd (``/{namespace}/settings/VllmWorker/<key>``).
-    """
-
-    model_config = ConfigDict(extra="forbid", alias_generator=_kebab, validate_by_name=True,
-                              validate_by_alias=True)
-
-    remote_prefill: bool = False
-    conditional_disagg: bool = True
-    max_local_prefill_length: int = Field(default=1000, ge=0)
-    max_prefill_queue_size: int = Field(default=2, ge=0)
-    remote_prefill_timeout: float = Field(default=10.0, gt=0)
-    """Seconds to wait for a prefill worker's result before prefilling locally."""
-
-    def disagg_config(self) -> DisaggConfig:
-        return DisaggConfig(
-            remote_prefill=self.remote_prefill, conditional_disagg=self.conditional_disagg,
-            max_local_prefill_length=self.max_local_prefill_length,
-            max_prefill_queue_size=self.max_prefill_queue_size,
-            remote_prefill_timeout=self.remote_prefill_timeout,
-        )
-
-
 class DecodeDisagg:
     """Remote-prefill support of one decode worker process. Build with :meth:`create`."""
 
-    def __init__(self, keys: DecodeDisaggKeys, runtime: Any, prefill: Any,
+    def __init__(self, keys: DecodeDisaggKeys, runtime: RuntimeContext, prefill: Any,
                  kv_transfer_config: dict[str, Any], nixl: NixlEndpoint) -> None:
         self.keys = keys
         self.runtime = runtime
@@ -109,7 +65,7 @@ class DecodeDisagg:
         self._tasks: list[asyncio.Task[None]] = []
 
     @classmethod
-    def create(cls, keys: DecodeDisaggKeys, runtime: Any, prefill: Any,
+    def create(cls, keys: DecodeDisaggKeys, runtime: RuntimeContext, prefill: Any,
                base_kv_config: dict[str, Any] | None = None) -> DecodeDisagg | None:
         """None when the graph has no PrefillWorker (``prefill is None``) or remote-prefill is off.
 
@@ -125,17 +81,21 @@ class DecodeDisagg:
     def engine_args(self, args: A) -> A:
         return args.model_copy(update={"kv_transfer_config": self.kv_transfer_config})
 
-    async def start(self, engine: VllmEngine, block_size: int) -> None:
-        """Connect the queue, load and follow the live settings, publish the NIXL record."""
+    async def start(self, engine: VllmEngine, hasher: BlockHasher) -> None:
+        """Connect the queue, follow the live settings, publish the NIXL record.
+
+        ``hasher`` hashes blocks as the engine does (the prefix-cache estimate).
+        """
         rt = self.runtime
         if rt.nats_url is None:
             raise RuntimeError("remote prefill needs NATS (NATS_SERVER) for the prefill queue")
         for key, value in (await rt.discovery.get_prefix(self.settings.prefix)).items():
             self.settings.apply(key, value)
-        prefills, transfers = _process_metrics(worker=f"{rt.instance_id:x}")
+        transfers = DecodeMetrics(worker=f"{rt.instance_id:x}", registry=rt.registry)
         engine.observe_kv_transfers(transfers.kv_transfer)
         self._tasks.append(asyncio.create_task(
-            self.settings.follow(rt.discovery.watch_prefix(self.settings.prefix))))
+            self.settings.follow(rt.discovery.watch_prefix(self.settings.prefix)),
+            name="disagg-settings"))
         self.queue = NatsPrefillQueue(rt.nats_url, rt.namespace,
                                       ack_wait=self.keys.prefill_queue_ack_wait,
                                       max_deliver=self.keys.prefill_queue_max_deliver)
@@ -143,13 +103,14 @@ class DecodeDisagg:
         await rt.discovery.put(nixl_key(rt.namespace, rt.component, rt.instance_id),
                                self.nixl.record(), lease=True)
         rt.metadata["nixl"] = self.nixl.record()
-        self._tasks.append(asyncio.create_task(self._export_queue_depth(transfers)))
+        self._tasks.append(asyncio.create_task(self._export_queue_depth(transfers),
+                                               name="prefill-queue-depth"))
         self.coordinator = RemotePrefillCoordinator(
             settings=self.settings, queue=self.queue,
             reply_to=ReplyTarget(component=rt.component, endpoint=PREFILL_DONE_ENDPOINT,
                                  instance_id=rt.instance_id),
-            prefix=PrefixCacheEstimate(block_size, engine.load().kv_blocks_total),
-            prefill_workers=self._prefill_workers, metrics=prefills,
+            prefix=PrefixCacheEstimate(hasher, engine.load().kv_blocks_total),
+            prefill_workers=self._prefill_workers, metrics=PrefillMetrics(rt.registry),
         )
         log.info("remote prefill on: NIXL consumer %s at %s:%d; settings %s",
                  self.nixl.engine_id, self.nixl.host, self.nixl.port,
@@ -177,10 +138,6 @@ class DecodeDisagg:
         return self.coordinator is not None and self.coordinator.deliver(result)
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.wait_for(task, timeout=5)
+        await cancel_and_wait(self._tasks)
         if self.queue is not None:
             await self.queue.close()

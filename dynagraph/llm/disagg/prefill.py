@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from dynagraph.errors import EngineError, NoInstancesError, RequestPlaneError
+from dynagraph.llm.disagg.coordinator import PrefillAck, PrefillResult
 from dynagraph.llm.engines.base import EngineOutput, SamplingSpec
-from dynagraph.llm.remote_prefill import PrefillAck, PrefillResult
 from dynagraph.runtime.queue import PrefillQueue, PrefillQueueError, QueueItem, ReplyTarget
 
 log = logging.getLogger(__name__)

@@ -21,8 +21,8 @@ The request is never lost: every path that does not yield KV transfer params (qu
 unreachable, no prefill worker registered, timeout) answers "prefill locally".
 
 The decode worker's prefix cache is not visible from outside vLLM, so
-``PrefixCacheEstimate`` keeps an LRU of the chained hashes of full prompt blocks this
-worker has served, bounded by the engine's block count. It over-estimates after vLLM
+``PrefixCacheEstimate`` keeps an LRU of the engine's block hashes of the full prompt
+blocks this worker has served, bounded by the engine's block count. It over-estimates after vLLM
 evicts blocks early, which only makes a remote prefill less likely.
 """
 
@@ -37,9 +37,10 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import msgspec
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 
-from dynagraph.llm.disagg import LiveDisaggSettings, PrefillDecision
+from dynagraph.llm.disagg.policy import LiveDisaggSettings, PrefillDecision
+from dynagraph.llm.router.hashing import BlockHasher
+from dynagraph.observability.disagg_metrics import PrefillMetrics
 from dynagraph.runtime.queue import (
     PrefillQueue,
     PrefillQueueError,
@@ -100,42 +101,45 @@ class PrefillPlan:
             return "remote"
         return "fallback" if self.fallback else "local"
 
+    @property
+    def reason(self) -> str:
+        """Why: the policy's reason, or what made a wanted remote prefill run locally."""
+        return self.fallback or self.decision.reason
+
+    @property
+    def wanted_remote(self) -> bool:
+        return self.decision.remote
+
 
 class PrefixCacheEstimate:
     """Which prompt prefixes this worker probably still has in its KV cache.
 
-    Keys are chained hashes of full blocks (``hash((parent, block_tokens))``), kept in
+    Keys are the engine's own block hashes (``BlockHasher``, as the Router uses), kept in
     LRU order up to ``capacity_blocks``. Pure, synchronous, no I/O.
     """
 
-    def __init__(self, block_size: int, capacity_blocks: int) -> None:
-        if block_size < 1 or capacity_blocks < 0:
-            raise ValueError("block_size must be >= 1 and capacity_blocks >= 0")
-        self.block_size = block_size
+    def __init__(self, hasher: BlockHasher, capacity_blocks: int) -> None:
+        if capacity_blocks < 0:
+            raise ValueError("capacity_blocks must be >= 0")
+        self.hasher = hasher
         self.capacity_blocks = capacity_blocks
         self._lru: OrderedDict[int, None] = OrderedDict()
 
-    def _hashes(self, tokens: Sequence[int]) -> list[int]:
-        out: list[int] = []
-        parent = 0
-        bs = self.block_size
-        for start in range(0, len(tokens) - bs + 1, bs):
-            parent = hash((parent, tuple(tokens[start:start + bs])))
-            out.append(parent)
-        return out
+    def hashes(self, tokens: Sequence[int]) -> list[int]:
+        return self.hasher.block_hashes(tokens)
 
-    def cached_len(self, tokens: Sequence[int]) -> int:
-        """Tokens of the longest cached full-block prefix of ``tokens``."""
+    def cached_len(self, hashes: Sequence[int]) -> int:
+        """Tokens of the longest cached full-block prefix of the blocks ``hashes``."""
         n = 0
-        for h in self._hashes(tokens):
+        for h in hashes:
             if h not in self._lru:
                 break
             n += 1
-        return n * self.block_size
+        return n * self.hasher.block_size
 
-    def record(self, tokens: Sequence[int]) -> None:
-        """``tokens`` was prefilled here (or its KV arrived): remember its full blocks."""
-        for h in self._hashes(tokens):
+    def record(self, hashes: Sequence[int]) -> None:
+        """These blocks were prefilled here (or their KV arrived): remember them."""
+        for h in hashes:
             self._lru[h] = None
             self._lru.move_to_end(h)
         while len(self._lru) > self.capacity_blocks:
@@ -143,29 +147,6 @@ class PrefixCacheEstimate:
 
     def __len__(self) -> int:
         return len(self._lru)
-
-
-class PrefillMetrics:
-    """Decode-side counters: where prefills ran and why, and how long remote ones waited."""
-
-    def __init__(self, registry: CollectorRegistry | None = REGISTRY) -> None:
-        self.requests = Counter(
-            "dynamo_worker_prefill_requests", "Prefills by where they ran (local, remote, "
-            "fallback = wanted remote, ran local) and the reason.",
-            ["where", "reason"], registry=registry,
-        )
-        self.remote_wait = Histogram(
-            "dynamo_worker_remote_prefill_wait_seconds",
-            "Enqueue of a remote prefill job to its KV transfer parameters (or giving up).",
-            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
-            registry=registry,
-        )
-
-    def observe(self, plan: PrefillPlan) -> None:
-        reason = plan.fallback or plan.decision.reason
-        self.requests.labels(plan.label, reason).inc()
-        if plan.decision.remote:
-            self.remote_wait.observe(plan.wait_s)
 
 
 class RemotePrefillCoordinator:
@@ -205,18 +186,17 @@ class RemotePrefillCoordinator:
         self, request_id: str, prompt: Sequence[int], sampling: PrefillSampling | None = None
     ) -> PrefillPlan:
         """Decide and, for a remote prefill, wait for it; never raises for infra failures."""
-        plan = await self._plan(request_id, prompt, sampling)
-        self.prefix.record(prompt)
+        hashes = self.prefix.hashes(prompt)
+        plan = await self._plan(request_id, prompt, self.prefix.cached_len(hashes), sampling)
+        self.prefix.record(hashes)
         if self.metrics is not None:
             self.metrics.observe(plan)
         log.debug("prefill plan for %s: %s (%s)", request_id, plan.label,
                   plan.fallback or plan.decision.reason)
         return plan
 
-    async def _plan(
-        self, request_id: str, prompt: Sequence[int], sampling: PrefillSampling | None
-    ) -> PrefillPlan:
-        cached = self.prefix.cached_len(prompt)
+    async def _plan(self, request_id: str, prompt: Sequence[int], cached: int,
+                    sampling: PrefillSampling | None) -> PrefillPlan:
         decision = self.settings.decide(len(prompt), cached, 0)
         if not decision.remote:
             return PrefillPlan(decision)

@@ -3,7 +3,7 @@
 No model hub is reachable from where dynagraph runs, so tests, benchmarks and the
 README demo use a model made here:
 
-    python -m dynagraph.llm.model_builder --out models/tiny-llama [--train-seconds N]
+    python -m tools.model_builder --out models/tiny-llama [--train-seconds N]
 
 The directory holds ``config.json`` (Llama: hidden 256, 4 layers, 4 heads, 2 KV
 heads, 8192 positions), ``model.safetensors``, a byte-level BPE tokenizer
@@ -308,7 +308,7 @@ def _build_into(tmp: Path, spec: BuildSpec) -> dict[str, Any]:
     from transformers import GenerationConfig, LlamaForCausalLM
     from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # untyped in transformers
     torch.set_num_threads(spec.threads)
     torch.manual_seed(spec.seed)
     rng = random.Random(spec.seed)
@@ -319,13 +319,16 @@ def _build_into(tmp: Path, spec: BuildSpec) -> dict[str, Any]:
     _write_tokenizer(tok, tmp, spec)
     ids = _training_stream(tok, paragraphs, rng)
 
-    model: Any = LlamaForCausalLM(_llama_config(spec, tok.get_vocab_size()))
+    model: Any = LlamaForCausalLM(  # type: ignore[no-untyped-call]  # untyped in transformers
+        _llama_config(spec, tok.get_vocab_size()))
     stats: dict[str, Any] = {"steps_done": 0, "final_loss": None, "train_seconds_used": 0.0}
     if spec.train_seconds > 0 and spec.train_steps > 0:
         stats = _train(model, ids, spec)
     # bfloat16 on disk: vLLM serves it in bfloat16 on the CPU anyway (no downcast warnings).
     model.to(torch.bfloat16).save_pretrained(tmp, safe_serialization=True)
-    GenerationConfig(bos_token_id=0, eos_token_id=[3, 1], pad_token_id=4).save_pretrained(tmp)
+    gen = GenerationConfig(  # type: ignore[no-untyped-call]  # untyped in transformers
+        bos_token_id=0, eos_token_id=[3, 1], pad_token_id=4)
+    gen.save_pretrained(tmp)
 
     info = {
         "format": BUILD_FORMAT,
@@ -403,7 +406,7 @@ def ensure_model(
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m dynagraph.llm.model_builder", description=__doc__.split("\n\n")[0]
+        prog="python -m tools.model_builder", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="model directory")
     parser.add_argument(

@@ -17,7 +17,7 @@ connector's module path; the class keeps the name ``NixlConnector`` so vLLM's ow
 ``has_connector("NixlConnector")`` checks still hold)::
 
     kv_transfer_config = {"kv_connector": "NixlConnector",
-                          "kv_connector_module_path": "dynagraph.llm.nixl_quiet", ...}
+                          "kv_connector_module_path": "dynagraph.llm.kv.nixl_quiet", ...}
 
 replaces that hard-coded 0 by ``DYNAGRAPH_NIXL_PROGRESS_DELAY_US`` (set by
 ``nixl_side.prepare_nixl`` from the components' ``nixl-progress-delay-us``; default
@@ -40,7 +40,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
     NixlConnector as _VllmNixlConnector,
 )
 
-from dynagraph.llm.nixl_side import delayed_agent_config, progress_delay_from_env
+from dynagraph.llm.kv.nixl_side import delayed_agent_config, progress_delay_from_env
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ def install(environ: Any = os.environ) -> int:
     Returns the delay in microseconds (0: NIXL's busy-spinning default is kept).
     """
     delay = progress_delay_from_env(environ)
-    if _base_worker.nixl_agent_config is None:  # NIXL not importable: vLLM fails later
+    if getattr(_base_worker, "nixl_agent_config", None) is None:  # no NIXL: vLLM fails later
         return delay
     if delay > 0:
         import nixl._api as api  # the module vLLM's agents come from
@@ -79,11 +79,11 @@ class NixlConnector(_VllmNixlConnector):
     ``LISTENER_JOIN_S`` it is left to die with the process.
     """
 
-    def shutdown(self) -> None:  # type: ignore[no-untyped-def]
+    def shutdown(self) -> None:
         sched = getattr(self, "connector_scheduler", None)
         listener = getattr(sched, "_nixl_handshake_listener_t", None)
         if sched is not None and listener is not None:
             sched._stop_event.set()
             listener.join(timeout=LISTENER_JOIN_S)
             sched._nixl_handshake_listener_t = None
-        super().shutdown()
+        super().shutdown()  # type: ignore[no-untyped-call]  # vLLM's method is unannotated

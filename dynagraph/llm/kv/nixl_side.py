@@ -18,14 +18,12 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
-
 from dynagraph.errors import ConfigError
 from dynagraph.runtime.infra import free_port
 
 Role = Literal["kv_producer", "kv_consumer", "kv_both"]
 
-QUIET_MODULE = "dynagraph.llm.nixl_quiet"
+QUIET_MODULE = "dynagraph.llm.kv.nixl_quiet"
 """Connector module that removes NIXL's idle busy-spin (see ``nixl_quiet``)."""
 
 IN_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
@@ -78,7 +76,7 @@ def delayed_agent_config(base: type, delay_us: int) -> type:
         base.__dynagraph_delay__ = delay_us  # type: ignore[attr-defined]
         return base
 
-    class DelayedAgentConfig(base):  # type: ignore[misc, valid-type]
+    class DelayedAgentConfig(base):  # type: ignore[misc]  # base: a pybind11 class known at run time
         __dynagraph_delay__ = delay_us
 
         def __setattr__(self, name: str, value: Any) -> None:
@@ -130,26 +128,3 @@ def prepare_nixl(
     os.environ[DELAY_ENV] = str(progress_delay_us)
     os.environ.setdefault(IN_PROCESS_ENV, "0")
     return cfg, NixlEndpoint(engine_id=engine_id, host=HOST, port=port, role=role)
-
-
-PROGRESS_DELAY_DOC = (
-    "Poll timeout in microseconds of NIXL's progress thread, which wakes on UCX events "
-    "anyway: KV transfers complete as soon as the data has moved, and the thread sleeps "
-    "while idle. 0 = NIXL's own busy-spin (a full core per engine)."
-)
-
-
-class DisaggWorkerKeys(BaseModel):
-    """Keys both NIXL workers have (decode: ``DecodeDisaggKeys``, prefill:
-    ``PrefillWorkerConfig``); kebab-case in YAML."""
-
-    model_config = ConfigDict(extra="forbid", alias_generator=lambda n: n.replace("_", "-"),
-                              validate_by_name=True, validate_by_alias=True)
-
-    prefill_queue_ack_wait: float = Field(default=30.0, gt=0)
-    """Seconds before a held, unacked job is delivered again. Share it between the decode
-    and prefill workers (``Common``): the last process to connect sets the queue's value."""
-    prefill_queue_max_deliver: int = Field(default=3, ge=1)
-    nixl_progress_delay_us: int = Field(default=DEFAULT_DELAY_US, ge=0,
-                                        description=PROGRESS_DELAY_DOC)
-    """See ``dynagraph.llm.nixl_quiet``."""

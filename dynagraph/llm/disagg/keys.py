@@ -1,0 +1,40 @@
+"""The disaggregation keys of the two NIXL workers' configs (kebab-case in YAML)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from dynagraph.config import ConfigModel
+from dynagraph.llm.disagg.policy import DisaggConfig
+from dynagraph.llm.kv.nixl_side import DEFAULT_DELAY_US
+
+PROGRESS_DELAY_DOC = (
+    "Poll timeout in microseconds of NIXL's progress thread, which wakes on UCX events "
+    "anyway: KV transfers complete as soon as the data has moved, and the thread sleeps "
+    "while idle. 0 = NIXL's own busy-spin (a full core per engine)."
+)
+
+
+class DisaggWorkerKeys(ConfigModel):
+    """Keys both NIXL workers have (decode: ``DecodeDisaggKeys``, prefill:
+    ``PrefillWorkerConfig``)."""
+
+    prefill_queue_ack_wait: float = Field(default=30.0, gt=0)
+    """Seconds before a held, unacked job is delivered again. Share it between the decode
+    and prefill workers (``Common``): the last process to connect sets the queue's value."""
+    prefill_queue_max_deliver: int = Field(default=3, ge=1)
+    nixl_progress_delay_us: int = Field(default=DEFAULT_DELAY_US, ge=0,
+                                        description=PROGRESS_DELAY_DOC)
+    """See ``dynagraph.llm.kv.nixl_quiet``."""
+
+
+class DecodeDisaggKeys(DisaggWorkerKeys, DisaggConfig):
+    """The decode worker's keys: ``DisaggConfig``'s policy and the shared worker keys.
+
+    ``max-local-prefill-length`` and ``max-prefill-queue-size`` can be changed live in
+    etcd (``/{namespace}/settings/VllmWorker/<key>``).
+    """
+
+    def disagg_config(self) -> DisaggConfig:
+        return DisaggConfig.model_validate(
+            self.model_dump(include=set(DisaggConfig.model_fields)))

@@ -1,0 +1,39 @@
+"""Frontend metrics, named as Dynamo names them (``dynamo_frontend_*``)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry
+
+from dynagraph.observability.metrics import counter, gauge, histogram
+
+# Label values of dynamo_frontend_requests_total.
+ENDPOINT_LABELS = {"chat": "chat_completions", "completion": "completions"}
+STREAM, UNARY = "stream", "unary"
+SUCCESS, ERROR = "success", "error"
+
+
+class FrontendMetrics:
+    """The frontend's metrics in ``registry``, with children bound to one model name."""
+
+    def __init__(self, registry: CollectorRegistry, model: str) -> None:
+        self.model = model
+        self.requests = counter("dynamo_frontend_requests_total", registry)
+        self.inflight = gauge("dynamo_frontend_inflight_requests", registry).labels(model)
+        self.ttft = histogram("dynamo_frontend_time_to_first_token_seconds",
+                              registry).labels(model)
+        self.itl = histogram("dynamo_frontend_inter_token_latency_seconds",
+                             registry).labels(model)
+        self.duration = histogram("dynamo_frontend_request_duration_seconds",
+                                  registry).labels(model)
+        self.input_tokens = histogram("dynamo_frontend_input_sequence_tokens",
+                                      registry).labels(model)
+        self.output_tokens = histogram("dynamo_frontend_output_sequence_tokens",
+                                       registry).labels(model)
+        self.disconnects = counter("dynamo_frontend_client_disconnects_total",
+                                   registry).labels(model)
+
+    def count_request(self, endpoint: str, request_type: str, status: str) -> None:
+        """Count a finished request. ``endpoint`` is ``"chat"`` or ``"completion"``."""
+        self.requests.labels(
+            self.model, ENDPOINT_LABELS.get(endpoint, endpoint), request_type, status
+        ).inc()
