@@ -20,6 +20,7 @@ import signal
 import subprocess
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -96,6 +97,14 @@ class StreamResult:
     completion_tokens: int = 0
     end: float = 0.0
     error: str | None = None
+    finish_reason: str | None = None
+    done: bool = False
+    """The stream ended with ``[DONE]`` (not cut off)."""
+
+    @property
+    def truncated(self) -> bool:
+        """No error reported, yet the stream ended without a finish reason or ``[DONE]``."""
+        return self.error is None and (self.finish_reason is None or not self.done)
 
 
 def stream_stats(results: Sequence[StreamResult], wall_s: float) -> dict[str, Any]:
@@ -300,6 +309,7 @@ async def stream_request(session: Any, url: str, body: dict[str, Any],
                 now = time.perf_counter() - res.start
                 for data in parser.feed(raw):
                     if data == b"[DONE]":
+                        res.done = True
                         continue
                     payload = json.loads(data)
                     if "error" in payload:
@@ -307,6 +317,9 @@ async def stream_request(session: Any, url: str, body: dict[str, Any],
                         continue
                     if payload.get("usage"):
                         usage_tokens = int(payload["usage"]["completion_tokens"])
+                    for choice in payload.get("choices") or ():
+                        if choice.get("finish_reason"):
+                            res.finish_reason = str(choice["finish_reason"])
                     text = chunk_text(payload)
                     if text:
                         res.chunk_times.append(now)
@@ -337,6 +350,45 @@ async def run_load(url: str, bodies: Sequence[dict[str, Any]], concurrency: int,
             asyncio.gather(*(one(session, b) for b in bodies)), total_timeout)
         wall = time.perf_counter() - t0
     return stream_stats(results, wall)
+
+
+def completion_ttft(url: str, prompt: str, timeout: float = 300.0) -> tuple[float, int]:
+    """Stream a 4-token completion of ``prompt``: (seconds to the first token, prompt tokens)."""
+    body = json.dumps({"model": "tiny-llama", "prompt": prompt, "max_tokens": 4, "stream": True,
+                       "stream_options": {"include_usage": True}}).encode()
+    req = urllib.request.Request(f"{url}/v1/completions", body,
+                                 {"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    first = 0.0
+    tokens = 0
+    with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 - test servers
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            msg = json.loads(line[6:])
+            # the first token's chunk, even when its text is empty (the detokenizer holds
+            # back an incomplete character; the tiny model makes such tokens)
+            if not first and msg.get("choices"):
+                first = time.perf_counter() - t0
+            if msg.get("usage"):
+                tokens = int(msg["usage"]["prompt_tokens"])
+    return first, tokens
+
+
+def markdown_table(cols: Sequence[str], rows: Sequence[dict[str, Any]]) -> list[str]:
+    """A markdown table of ``rows`` (dicts) in the order of ``cols``; absent cells are blank."""
+    table = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    return table + ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in rows]
+
+
+def publish(name: str, data: dict[str, Any], markdown: Callable[[dict[str, Any]], str]) -> None:
+    """Write ``data`` (with the machine's description) and its markdown; print both paths."""
+    data.setdefault("machine", machine_info())
+    text = markdown(data)
+    jpath, mpath = write_results(name, data, text)
+    print(text)
+    print(f"wrote {jpath} and {mpath}")
 
 
 def write_results(name: str, data: dict[str, Any], markdown: str) -> tuple[Path, Path]:

@@ -10,10 +10,11 @@ to the next component and relays its answers, adding its own name; ``Fifth`` ans
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any
 
 from pydantic import BaseModel
 
-from dynagraph.sdk import depends, endpoint, service
+from dynagraph.sdk import Component, depends, endpoint, service
 
 NAMESPACE = "lifecycle"
 
@@ -31,48 +32,36 @@ class Fifth:
             yield {"i": i, "path": [*request.path, "Fifth"]}
 
 
+class Relay(Component):
+    """Forwards a request to ``next`` and relays its answers, adding its own name."""
+
+    next: Any  # the depends() client of the next component
+
+    @endpoint()
+    async def generate(self, request: Ping) -> AsyncIterator[dict[str, object]]:
+        fwd = Ping(count=request.count, path=[*request.path, type(self).__name__])
+        async for item in self.next.generate(fwd.model_dump()):
+            yield item
+
+
 @service(dynamo={"namespace": NAMESPACE})
-class Fourth:
+class Fourth(Relay):
     next = depends(Fifth)
 
-    @endpoint()
-    async def generate(self, request: Ping) -> AsyncIterator[dict[str, object]]:
-        fwd = Ping(count=request.count, path=[*request.path, "Fourth"])
-        async for item in self.next.generate(fwd.model_dump()):
-            yield item
-
 
 @service(dynamo={"namespace": NAMESPACE})
-class Third:
+class Third(Relay):
     next = depends(Fourth)
 
-    @endpoint()
-    async def generate(self, request: Ping) -> AsyncIterator[dict[str, object]]:
-        fwd = Ping(count=request.count, path=[*request.path, "Third"])
-        async for item in self.next.generate(fwd.model_dump()):
-            yield item
-
 
 @service(dynamo={"namespace": NAMESPACE})
-class Second:
+class Second(Relay):
     next = depends(Third)
 
-    @endpoint()
-    async def generate(self, request: Ping) -> AsyncIterator[dict[str, object]]:
-        fwd = Ping(count=request.count, path=[*request.path, "Second"])
-        async for item in self.next.generate(fwd.model_dump()):
-            yield item
-
 
 @service(dynamo={"namespace": NAMESPACE})
-class First:
+class First(Relay):
     next = depends(Second)
-
-    @endpoint()
-    async def generate(self, request: Ping) -> AsyncIterator[dict[str, object]]:
-        fwd = Ping(count=request.count, path=[*request.path, "First"])
-        async for item in self.next.generate(fwd.model_dump()):
-            yield item
 
 
 graph = First.link(Second).link(Third).link(Fourth).link(Fifth)

@@ -20,14 +20,22 @@ import re
 import statistics
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import REPO, ManagedProcess, machine_info, write_results  # noqa: E402
+from benchmarks._common import (  # noqa: E402
+    REPO,
+    ManagedProcess,
+    completion_ttft,
+    machine_info,
+    markdown_table,
+    write_results,
+)
 from dynagraph.runtime.infra import free_port, local_infra  # noqa: E402
+from tests.support.metrics import scrape as metrics_text  # noqa: E402
+from tests.support.metrics import total  # noqa: E402
 from tools.model_builder import ensure_model  # noqa: E402
 
 SENTENCE = "Prefix caches pay off when prompts share a beginning. "
@@ -37,35 +45,9 @@ SERIES = ("dynamo_worker_kv_transfer_seconds_sum", "dynamo_worker_kv_transfer_by
 
 
 def scrape(address: str) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as resp:  # noqa: S310
-        text = resp.read().decode()
-    out = dict.fromkeys(SERIES, 0.0)
-    for line in text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in out:
-            out[name] += float(line.rsplit(" ", 1)[1])
-    return out
-
-
-def ttft(url: str, prompt: str) -> tuple[float, int]:
-    body = json.dumps({"model": "tiny-llama", "prompt": prompt, "max_tokens": 4, "stream": True,
-                       "stream_options": {"include_usage": True}}).encode()
-    req = urllib.request.Request(f"{url}/v1/completions", body,
-                                 {"Content-Type": "application/json"})
-    t0 = time.perf_counter()
-    first = 0.0
-    tokens = 0
-    with urllib.request.urlopen(req, timeout=120) as resp:  # noqa: S310 - loopback
-        for raw in resp:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            msg = json.loads(line[6:])
-            if not first and msg.get("choices") and msg["choices"][0].get("text"):
-                first = time.perf_counter() - t0
-            if msg.get("usage"):
-                tokens = int(msg["usage"]["prompt_tokens"])
-    return first, tokens
+    """The KV-transfer series of one worker, summed over their label sets."""
+    text = metrics_text(address)
+    return {name: total(text, name) for name in SERIES}
 
 
 def run(requests: int) -> list[dict[str, Any]]:
@@ -87,7 +69,7 @@ def run(requests: int) -> list[dict[str, Any]]:
             for label, sentences in SIZES.items():
                 for i in range(requests + 1):
                     before = scrape(m.group(1))
-                    first, tokens = ttft(url, f"Served check {label} {i} {time.time()}. "
+                    first, tokens = completion_ttft(url, f"Served check {label} {i} {time.time()}. "
                                          + SENTENCE * sentences)
                     after = before
                     deadline = time.monotonic() + 5
@@ -132,8 +114,7 @@ def main() -> int:
     summary = summarize(rows, raw)
     cols = ["prompt", "requests", "tokens", "kv_bytes", "kv_transfer_ms", "kv_transfer_ms_min",
             "gib_per_s", "raw_nixl_gib_per_s", "ratio_to_raw", "ttft_ms"]
-    table = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    table += ["| " + " | ".join(str(s.get(c, "")) for c in cols) + " |" for s in summary]
+    table = markdown_table(cols, summary)
     text = ("# KV transfers as served (graphs.disagg), medians\n\n"
             f"`python benchmarks/disagg_served.py --requests {args.requests}`: `dynamo serve "
             "graphs.disagg` with configs/disagg.yaml on the tiny model; transfer time and bytes "

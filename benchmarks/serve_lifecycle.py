@@ -54,9 +54,9 @@ BANNER = re.compile(r"dynamo serve: graph \S+ ready in ([0-9.]+)s")
 MILESTONES: dict[str, re.Pattern[str]] = {
     "etcd_up": re.compile(r"started a local etcd"),
     "nats_up": re.compile(r"started a local nats-server"),
-    "first_spawned": re.compile(r"dynagraph\.serve .*started \w+:0 pid="),
+    "first_spawned": re.compile(r"^\[ *[\d.]+s\] \w+\[0\] +started, pid "),
     **{f"{c}_discovery": re.compile(rf"^\[{c}:0\] .*etcd discovery started") for c in COMPONENTS},
-    **{f"{c}_ready": re.compile(rf"^\[{c}:0\] .*{c}\[0\] ready") for c in COMPONENTS},
+    **{f"{c}_ready": re.compile(rf"^\[ *[\d.]+s\] {c}\[0\] +ready in ") for c in COMPONENTS},
 }
 
 

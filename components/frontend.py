@@ -1,9 +1,11 @@
-"""Frontend: the OpenAI-compatible HTTP server (FastAPI on uvicorn).
+"""Frontend: the OpenAI-compatible HTTP server (a plain ASGI app on uvicorn).
 
 Validates requests and formats responses (``dynagraph.llm.http``); everything else
 happens behind the Processor. ``/health`` is 200 only while a Processor and at least
-one model worker are registered. A client that disconnects closes the stream, which
-cancels the request in every component down to the engine.
+one model worker are registered. ``/v1/models`` lists the models the live workers
+publish (``dynagraph.llm.models``); a request for any other model is a 404. A client
+that disconnects closes the stream, which cancels the request in every component down
+to the engine.
 """
 
 from __future__ import annotations
@@ -12,29 +14,63 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Generator
+from typing import Any
 
 import uvicorn
 from pydantic import Field
 
 from components.processor import Processor
-from dynagraph.config import ConfigModel
-from dynagraph.errors import DynagraphError
+from dynagraph.errors import ConfigError, DynagraphError
 from dynagraph.llm.http import create_app
-from dynagraph.llm.protocol import OpenAIRequest, OpenAIRequestEnvelope, TextChunk
+from dynagraph.llm.http.admission import Admission
+from dynagraph.llm.http.app import ModelInfo
+from dynagraph.llm.http.limits import RequestLimits
+from dynagraph.llm.http.tenancy import TenantGate
+from dynagraph.llm.models import ModelDirectory
+from dynagraph.llm.protocol import (
+    OpenAIRequest,
+    OpenAIRequestEnvelope,
+    TextChunk,
+    TokenizeEnvelope,
+    TokenizeKind,
+)
+from dynagraph.llm.tenants import SECRET_ENV, Authenticator, Signer, TenantToken
+from dynagraph.llm.tenants.slo import SloClass, default_slo_classes
+from dynagraph.runtime.addresses import advertised
 from dynagraph.runtime.discovery import InstanceWatch
 from dynagraph.sdk import Component, async_on_shutdown, async_on_start, depends, service
 
 log = logging.getLogger(__name__)
 
 
-class FrontendConfig(ConfigModel):
+class FrontendConfig(RequestLimits):
+    """The Frontend's keys; the request limits (``RequestLimits``: max-body-bytes,
+    max-prompt-bytes, max-messages, max-stop, max-n, ...) are its keys too."""
+
     served_model_name: str = "tiny-llama"
+    """Labels the metrics; also the model name of workers that publish none."""
     host: str = "127.0.0.1"
+    """Where the HTTP server listens; 0.0.0.0 publishes this host's address (``--host``)."""
     port: int = Field(default=8000, ge=0, le=65535)
     """0 picks a free port (the URL is printed and published in discovery)."""
     max_model_len: int | None = None
+    """Context length of models whose workers publish none."""
     worker_component: str = "VllmWorker"
     """Component whose ``generate`` instances make /health green."""
+    max_inflight_requests: int = Field(default=256, ge=1)
+    """Generation requests served at once; more wait in the admission queue."""
+    max_queued_requests: int = Field(default=512, ge=0)
+    """Requests waiting for a slot; past that, 429 with Retry-After at once."""
+    queue_timeout: float = Field(default=30.0, ge=0.0)
+    """Seconds a request may wait for a slot before it gets a 429."""
+    worker_wait: float = Field(default=10.0, ge=0.0)
+    """Seconds a request waits while no model worker is registered, then 503."""
+    tenants_file: str | None = None
+    """YAML: API key -> tenant (``dynagraph.llm.tenants.registry``). Set: every API call
+    needs ``Authorization: Bearer KEY``, each tenant has its own prefix cache and quotas.
+    Unset: an open service."""
+    slo_classes: dict[str, SloClass] = Field(default_factory=default_slo_classes)
+    """SLO classes by name (a tenant's ``slo-class``, or the ``x-slo-class`` header)."""
 
 
 class _Server(uvicorn.Server):
@@ -52,13 +88,29 @@ class Frontend(Component):
         self._server: _Server | None = None
         self._task: asyncio.Task[None] | None = None
         self._workers: InstanceWatch | None = None
+        self._models = ModelDirectory(config.served_model_name)
 
     def ready(self) -> bool:
         workers = self._workers.instances() if self._workers is not None else []
         return bool(workers) and bool(self.processor.instance_ids())
 
-    async def generate(self, request: OpenAIRequest, request_id: str) -> AsyncIterator[TextChunk]:
-        envelope = OpenAIRequestEnvelope.wrap(request, request_id)
+    def models(self) -> list[ModelInfo]:
+        workers = self._workers.instances() if self._workers is not None else []
+        return [ModelInfo(m.name, m.max_model_len)
+                for m in self._models.models(workers).values()]
+
+    async def tokenize(self, kind: TokenizeKind, model: str, body: dict[str, Any]
+                       ) -> dict[str, Any]:
+        envelope = TokenizeEnvelope(kind=kind, model=model, body=body)
+        stream = self.processor.tokenize(envelope.to_wire())
+        async with contextlib.aclosing(stream):
+            async for answer in stream:
+                return dict(answer)
+        raise DynagraphError("the Processor gave no tokenize answer")
+
+    async def generate(self, request: OpenAIRequest, request_id: str,
+                       tenant: TenantToken | None = None) -> AsyncIterator[TextChunk]:
+        envelope = OpenAIRequestEnvelope.wrap(request, request_id, tenant)
         stream = self.processor.generate(envelope.to_wire(),
                                          headers={"x-request-id": request_id})
         async with contextlib.aclosing(stream):
@@ -69,9 +121,15 @@ class Frontend(Component):
     async def start(self) -> None:
         self._workers = await self.runtime.discovery.watch_instances(
             self.runtime.namespace, self.config.worker_component, "generate")
-        app = create_app(self, served_model_name=self.config.served_model_name,
-                         max_model_len=self.config.max_model_len,
-                         registry=self.runtime.registry)
+        cfg_ = self.config
+        app = create_app(self, served_model_name=cfg_.served_model_name,
+                         max_model_len=cfg_.max_model_len, registry=self.runtime.registry,
+                         limits=RequestLimits.model_validate(
+                             cfg_.model_dump(include=set(RequestLimits.model_fields))),
+                         admission=Admission(max_inflight=cfg_.max_inflight_requests,
+                                             max_queued=cfg_.max_queued_requests,
+                                             queue_timeout=cfg_.queue_timeout),
+                         worker_wait_s=cfg_.worker_wait, tenants=self._tenant_gate())
         cfg = uvicorn.Config(app, host=self.config.host, port=self.config.port,
                              log_level="warning", access_log=False, lifespan="off")
         self._server = _Server(cfg)
@@ -83,9 +141,24 @@ class Frontend(Component):
                     "(port in use? set Frontend.port)")
             await asyncio.sleep(0.01)
         port = self._server.servers[0].sockets[0].getsockname()[1]
-        url = f"http://{self.config.host}:{port}"
+        url = f"http://{advertised(self.config.host)}:{port}"
         self.runtime.metadata.update({"url": url, "model": self.config.served_model_name})
         log.info("OpenAI API at %s/v1 (model %s)", url, self.config.served_model_name)
+
+    def _tenant_gate(self) -> TenantGate:
+        signer = Signer.from_env()
+        auth = None
+        if self.config.tenants_file is not None:
+            if signer is None:
+                raise ConfigError(f"tenants need the graph secret ({SECRET_ENV}; dynamo serve "
+                                  "sets one)", component="Frontend", key="tenants-file")
+            try:
+                auth = Authenticator(self.config.tenants_file)
+            except ConfigError as exc:
+                raise ConfigError(str(exc), component="Frontend", key="tenants-file") from None
+            log.info("tenants: %s (API keys required)", ", ".join(auth.tenants))
+        return TenantGate(auth, signer,
+                          {name: c.priority for name, c in self.config.slo_classes.items()})
 
     @async_on_shutdown
     async def stop(self) -> None:

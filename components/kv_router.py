@@ -1,7 +1,8 @@
 """Router: picks the decode worker for each request (KV-aware or not).
 
-Inputs, per live ``VllmWorker`` instance (from discovery; an instance whose lease
-expires is dropped from the index and the load table at once):
+Inputs, per live ``VllmWorker`` instance (or instance of the component linked in its
+place, e.g. ``MockerWorker``; from discovery; an instance whose lease expires is dropped
+from the index and the load table at once):
 
 - its ``kv_events`` stream (a snapshot, then net deltas; see ``dynagraph.llm.kv.relay``)
   mirrored into one ``PrefixIndex`` under the worker's instance id;
@@ -17,24 +18,32 @@ worker meanwhile (see ``dynagraph.llm.router.state``).
 Modes (``RouterMode``: ``kv``, ``kv-load``, ``round-robin``, ``random``): a mode set
 live in etcd at ``/{ns}/settings/Router/mode`` (a JSON string) wins; else the
 request's ``mode`` (the Processor's ``router-mode``); else ``mode:`` in the config.
-``overlap-weight`` and ``temperature`` are live settings too. The choice itself is the
-pure ``choose_worker``; ``RouterState`` gathers its inputs. Block hashes come from the
-one ``BlockHasher`` with the block size, hash algorithm and seed that the workers
-publish in their discovery metadata.
+``cost-model`` (``time``: predicted time to first token from each worker's learned
+speeds, the default; ``blocks``: Dynamo's block count), ``overlap-weight`` and
+``temperature`` are live settings too. The choice itself is the pure
+``choose_worker``; ``RouterState`` gathers its inputs (each load sample also teaches it
+the worker's speeds). Block hashes come from the one ``BlockHasher`` with the block
+size, hash algorithm and seed that the workers publish in their discovery metadata.
+
+SLO classes (``RouteRequest.slo_class``): ``class-overlap-weights`` scales the overlap
+weight per class (``interactive`` weighs queueing more than a cache hit, ``batch`` less);
+each decision carries the candidates' pressure (``dynagraph.llm.router.pressure``) for the
+Processor's SLO-aware admission.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Collection
+from typing import Any, ClassVar
 
 import msgspec
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from components.worker import VllmWorker
 from dynagraph.aio import cancel_and_wait
@@ -43,6 +52,7 @@ from dynagraph.errors import DynagraphError
 from dynagraph.llm.engines.base import EngineLoad
 from dynagraph.llm.router import (
     BlockHasher,
+    CostModel,
     Decision,
     RelayBatch,
     RouteDecision,
@@ -50,8 +60,14 @@ from dynagraph.llm.router import (
     RouterMode,
     RouterState,
 )
+from dynagraph.llm.router.pressure import (
+    DEFAULT_CLASS_OVERLAP_WEIGHTS,
+    PressureView,
+    class_overlap_weight,
+)
+from dynagraph.llm.tenants import Signer, cache_salt_of
 from dynagraph.observability.router_metrics import RouterMetrics
-from dynagraph.runtime.live_settings import LiveSettings
+from dynagraph.runtime.live_settings import LiveSpec
 from dynagraph.sdk import (
     Component,
     async_on_shutdown,
@@ -64,13 +80,14 @@ from dynagraph.sdk import (
 
 log = logging.getLogger(__name__)
 
-LIVE = ("mode", "overlap-weight", "temperature")
-"""Router settings that can change at run time (``/{ns}/settings/Router/<name>``)."""
-
-
 class RouterConfig(ConfigModel):
     mode: RouterMode = RouterMode.KV
+    cost_model: CostModel = CostModel.TIME
+    """``time``: seconds to first token, from speeds learned at run time (no tuning);
+    ``blocks``: Dynamo's ``overlap-weight * prefill_blocks + decode_blocks``."""
     overlap_weight: float = Field(default=1.0, ge=0.0)
+    """Weight of the request's own prefill against the rest of the cost; 1 (the
+    default) prices it at its time under the ``time`` model."""
     temperature: float = Field(default=0.0, ge=0.0)
     block_size: int | None = Field(default=None, ge=1)
     """None: use the block size the workers publish (they must all agree)."""
@@ -79,6 +96,20 @@ class RouterConfig(ConfigModel):
     reconnect_delay: float = Field(default=0.5, gt=0.0)
     track_timeout: float = Field(default=600.0, gt=0.0)
     """Longest a tracked request counts as in flight."""
+    class_overlap_weights: dict[str, float] = Field(
+        default_factory=lambda: dict(DEFAULT_CLASS_OVERLAP_WEIGHTS))
+    """SLO class -> factor on ``overlap-weight`` for its requests (unlisted: 1)."""
+
+    @field_validator("class_overlap_weights")
+    @classmethod
+    def _non_negative(cls, v: dict[str, float]) -> dict[str, float]:
+        if any(f < 0 for f in v.values()):
+            raise ValueError("class overlap weights must be >= 0")
+        return v
+
+
+LIVE = LiveSpec(RouterConfig, ("mode", "cost-model", "overlap-weight", "temperature"))
+"""Router settings that can change at run time (``/{ns}/settings/Router/<name>``)."""
 
 
 def _label(worker_id: int) -> str:
@@ -87,16 +118,20 @@ def _label(worker_id: int) -> str:
 
 @service(dynamo={"namespace": "dynamo"}, resources={"cpu": 1}, workers=1)
 class Router(Component):
+    LIVE_SETTINGS: ClassVar[LiveSpec[RouterConfig]] = LIVE
     worker = depends(VllmWorker)
 
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
         self.state = RouterState(random.Random(config.seed))
-        self.settings = LiveSettings(config, prefix=self.runtime.settings_prefix(), live=LIVE)
+        self.pressure = PressureView()
+        self.settings = self.LIVE_SETTINGS.bind(config, self.runtime.settings_prefix())
         self.metrics = RouterMetrics(self.runtime.registry)
+        self.signer = Signer.from_env()
         self.hasher: BlockHasher | None = (
             BlockHasher(config.block_size) if config.block_size is not None else None)
         self._tasks: dict[int, list[asyncio.Task[None]]] = {}
+        self._keys = itertools.count()
         self._watch: Any = None
         self._settings_task: asyncio.Task[None] | None = None
 
@@ -116,6 +151,7 @@ class Router(Component):
                 for t in self._tasks.pop(w):
                     t.cancel()
                 self.state.remove_worker(w)
+                self.pressure.forget(w)
                 self.metrics.forget_worker(_label(w))
         for w, info in live.items():
             if w in self._tasks:
@@ -151,7 +187,9 @@ class Router(Component):
         self.metrics.index_blocks(_label(w), self.state.index.num_blocks(w))
 
     def _on_load(self, w: int, item: Any) -> None:
-        self.state.set_load(w, EngineLoad.model_validate(item))
+        self.state.set_load(w, EngineLoad.model_validate(item), time.monotonic())
+        self.metrics.prefill_tokens_per_second(
+            _label(w), 1.0 / self.state.rates(w).prefill_s_per_token)
 
     async def _follow(self, w: int, endpoint_name: str,
                       handle: Callable[[int, Any], None]) -> None:
@@ -172,9 +210,13 @@ class Router(Component):
 
     @async_on_start
     async def start(self) -> None:
+        # The linked worker component (VllmWorker, or a stand-in such as MockerWorker);
+        # a test's fake client need not name it.
         spec = spec_of(VllmWorker)
+        namespace = getattr(self.worker, "namespace", spec.namespace)
+        component = getattr(self.worker, "component", spec.name)
         disc = self.runtime.discovery
-        self._watch = await disc.watch_instances(spec.namespace, spec.name, "kv_events")
+        self._watch = await disc.watch_instances(namespace, component, "kv_events")
         self._watch.subscribe(self._on_instances)
         self._on_instances(self._watch.instances())
         self._settings_task = asyncio.create_task(
@@ -192,34 +234,59 @@ class Router(Component):
 
     # --- the endpoint -------------------------------------------------------------
 
-    def route(self, token_ids: list[int], mode: RouterMode | None = None
+    def route(self, token_ids: list[int], mode: RouterMode | None = None,
+              allowed: Collection[int] | None = None, cache_salt: str | None = None,
+              now: float | None = None, slo_class: str | None = None,
               ) -> tuple[Decision, list[int], RouterMode]:
         """Decide for one prompt (synchronous: no other decision interleaves)."""
         mode = self.mode_for(mode)
-        hashes = self.hasher.block_hashes(token_ids) if self.hasher is not None else []
+        hashes = (self.hasher.block_hashes(token_ids, cache_salt=cache_salt)
+                  if self.hasher is not None else [])
         live = self.settings.current
-        decision = self.state.decide(mode, hashes, overlap_weight=live.overlap_weight,
-                                     temperature=live.temperature)
+        weight = class_overlap_weight(live.overlap_weight, slo_class,
+                                      self.config.class_overlap_weights)
+        decision = self.state.decide(
+            mode, hashes, overlap_weight=weight, temperature=live.temperature,
+            cost_model=live.cost_model, prompt_tokens=len(token_ids),
+            block_size=self.hasher.block_size if self.hasher is not None else 1,
+            now=time.monotonic() if now is None else now, allowed=allowed)
         return decision, hashes, mode
 
     @endpoint()
     async def generate(self, request: RouteRequest) -> AsyncIterator[dict[str, Any]]:
         t0 = time.perf_counter()
-        decision, hashes, mode = self.route(request.token_ids, request.mode)
+        now = time.monotonic()
+        decision, hashes, mode = self.route(request.token_ids, request.mode, request.workers,
+                                            cache_salt_of(self.signer, request.tenant), now,
+                                            request.slo_class)
+        pressure = self.pressure.summary(self.state, request.workers,  # before begin()
+                                         predicted_ttft_s=decision.ttft_s)
         w = decision.worker_id
         self.metrics.decision(mode=mode.value, worker=_label(w), request_blocks=len(hashes),
                               overlap_blocks=decision.overlap_blocks,
-                              seconds=time.perf_counter() - t0)
-        log.debug("route %d blocks -> %x (overlap %d, mode %s)", len(hashes), w,
-                  decision.overlap_blocks, mode)
+                              seconds=time.perf_counter() - t0,
+                              predicted_ttft=decision.ttft_s.get(w))
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("route %d blocks -> %x (overlap %d, mode %s); costs %s; queues %s; "
+                      "learned s/token %s", len(hashes), w, decision.overlap_blocks, mode,
+                      {f"{k:x}": round(v, 4) for k, v in decision.costs.items()},
+                      {f"{k:x}": (round(q.queued_tokens), q.decoding)
+                       for k, q in self.state.queues.items()},
+                      {f"{k:x}": f"{x.prefill.value:.2e}"
+                       for k, x in self.state.learners.items()})
+        key = next(self._keys)
         if request.track:
-            self.state.begin(w, hashes)
+            block_size = self.hasher.block_size if self.hasher is not None else 1
+            uncached = max(len(request.token_ids) - decision.overlap_blocks * block_size, 1)
+            self.state.begin(w, hashes, key=key, uncached_tokens=uncached, now=now)
+            self.pressure.begin(w)
         try:
             yield msgspec.to_builtins(RouteDecision(
                 worker_id=w, overlap_blocks=decision.overlap_blocks,
-                request_blocks=len(hashes), mode=mode))
+                request_blocks=len(hashes), mode=mode, pressure=pressure))
             if request.track:
                 await asyncio.sleep(self.config.track_timeout)
         finally:
             if request.track:
-                self.state.end(w, hashes)
+                self.state.end(w, hashes, key)
+                self.pressure.end(w)

@@ -13,38 +13,36 @@ way back is a call by name, not a second ``depends()``.
 Its NIXL side channel (a free loopback port) and engine id are published under the
 lease at ``/{namespace}/nixl/PrefillWorker/{instance_id:x}``.
 
-Live setting (etcd, fault injection for tests): ``/{namespace}/settings/PrefillWorker/
-hold-before-reply-s`` makes the worker hold each job that long between prefill and
-hand-off. Delete the key (or set 0) for normal operation.
+Fault injection for tests, off in production: only with ``DYNAGRAPH_FAULT_INJECTION=1``
+in its environment does the worker follow ``/{namespace}/settings/PrefillWorker/
+hold-before-reply-s``, holding each job that long between its prefill and the hand-off.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
+import os
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, ClassVar
 
 import msgspec
 from pydantic import Field
 
 from dynagraph.aio import cancel_and_wait
 from dynagraph.config import ConfigModel
-from dynagraph.errors import RequestPlaneError
 from dynagraph.llm.disagg import (
     DisaggWorkerKeys,
     JobOutcome,
-    PrefillAck,
     PrefillJobHandler,
-    PrefillResult,
+    reply_through,
     serve_queue,
 )
 from dynagraph.llm.engines.vllm_engine import VllmEngine, VllmEngineArgs
 from dynagraph.llm.kv.nixl_side import nixl_key, prepare_nixl
 from dynagraph.observability.disagg_metrics import PrefillQueueMetrics
-from dynagraph.runtime.live_settings import LiveSettings
-from dynagraph.runtime.queue import NatsPrefillQueue, ReplyTarget
+from dynagraph.runtime.live_settings import LiveSpec
+from dynagraph.runtime.queue import NatsPrefillQueue
 from dynagraph.sdk import Component, async_on_shutdown, async_on_start, endpoint, service
 
 log = logging.getLogger(__name__)
@@ -60,11 +58,18 @@ class PrefillWorkerConfig(VllmEngineArgs, DisaggWorkerKeys):
     """Upper bound on the call to the decode worker's ``prefill_done``."""
 
 
+FAULTS_ENV = "DYNAGRAPH_FAULT_INJECTION"
+"""``1`` turns the ``PrefillFaults`` live settings on (tests only)."""
+
+
 class PrefillFaults(ConfigModel):
     """Fault injection for tests, live in etcd (``/{ns}/settings/PrefillWorker/...``)."""
 
     hold_before_reply_s: float = Field(default=0.0, ge=0.0)
     """Hold each job this long between its prefill and the hand-off."""
+
+
+FAULTS = LiveSpec(PrefillFaults, ("hold-before-reply-s",))
 
 
 class PrefillStatus(msgspec.Struct, frozen=True, kw_only=True):
@@ -73,6 +78,8 @@ class PrefillStatus(msgspec.Struct, frozen=True, kw_only=True):
 
 @service(dynamo={"namespace": "dynamo"}, resources={"cpu": 1}, workers=1)
 class PrefillWorker(Component):
+    LIVE_SETTINGS: ClassVar[LiveSpec[PrefillFaults]] = FAULTS
+
     def __init__(self, config: PrefillWorkerConfig) -> None:
         self.config = config
         engine_id = f"{self.runtime.component}-{self.runtime.instance_id:x}"
@@ -81,8 +88,7 @@ class PrefillWorker(Component):
                                          progress_delay_us=config.nixl_progress_delay_us)
         self.engine = VllmEngine(config.model_copy(update={"kv_transfer_config": kv_cfg}))
         self.queue: NatsPrefillQueue | None = None
-        self.faults = LiveSettings(PrefillFaults(), prefix=self.runtime.settings_prefix(),
-                                   live=["hold-before-reply-s"])
+        self.faults = self.LIVE_SETTINGS.bind(PrefillFaults(), self.runtime.settings_prefix())
         self._tasks: list[asyncio.Task[None]] = []
         self.outcomes: dict[str, int] = {}
 
@@ -95,15 +101,21 @@ class PrefillWorker(Component):
         await rt.discovery.put(nixl_key(rt.namespace, rt.component, rt.instance_id),
                                self.nixl.record(), lease=True)
         rt.metadata.update({"nixl": self.nixl.record()})
+        faults_on = os.environ.get(FAULTS_ENV) == "1"
         for key, value in (await rt.discovery.get_prefix(self.faults.prefix)).items():
-            self.faults.apply(key, value)
+            if faults_on:
+                self.faults.apply(key, value)
+            elif key.startswith(self.faults.prefix) and key[len(self.faults.prefix):] in (
+                    self.faults.names):
+                log.warning("ignoring %s: fault injection is off (%s=1 turns it on)",
+                            key, FAULTS_ENV)
         self.queue = NatsPrefillQueue(
             rt.nats_url, rt.namespace, ack_wait=self.config.prefill_queue_ack_wait,
             max_deliver=self.config.prefill_queue_max_deliver,
         )
         await self.queue.connect()
         handler = PrefillJobHandler(
-            self.engine, self._reply, instance_id=rt.instance_id,
+            self.engine, reply_through(rt), instance_id=rt.instance_id,
             heartbeat_s=self.config.prefill_queue_ack_wait / 3,
             reply_timeout=self.config.reply_timeout,
             hold_s=lambda: self.faults.current.hold_before_reply_s,
@@ -113,9 +125,13 @@ class PrefillWorker(Component):
             asyncio.create_task(serve_queue(self.queue, handler,
                                             concurrency=self.config.max_concurrent_prefills,
                                             on_outcome=self._count), name="prefill-queue"),
-            asyncio.create_task(self.faults.follow(rt.discovery.watch_prefix(self.faults.prefix)),
-                                name="prefill-faults"),
         ]
+        if faults_on:
+            log.warning("fault injection is on (%s=1): %s", FAULTS_ENV,
+                        ", ".join(self.faults.prefix + n for n in self.faults.names))
+            self._tasks.append(asyncio.create_task(
+                self.faults.follow(rt.discovery.watch_prefix(self.faults.prefix)),
+                name="prefill-faults"))
         log.info("prefill worker ready: engine %s, NIXL side channel %s:%d",
                  self.nixl.engine_id, self.nixl.host, self.nixl.port)
 
@@ -133,11 +149,3 @@ class PrefillWorker(Component):
 
     def _count(self, outcome: JobOutcome) -> None:
         self.outcomes[outcome.status] = self.outcomes.get(outcome.status, 0) + 1
-
-    async def _reply(self, target: ReplyTarget, result: PrefillResult) -> PrefillAck:
-        client = await self.runtime.client(target.component, target.endpoint)
-        stream = client.direct(msgspec.to_builtins(result), target.instance_id)
-        async with contextlib.aclosing(stream):
-            async for msg in stream:
-                return msgspec.convert(msg, PrefillAck)
-        raise RequestPlaneError(f"{target.component}.{target.endpoint} answered nothing")

@@ -1,8 +1,16 @@
 """Processor: OpenAI request in, text chunks out.
 
-Applies the chat template and tokenizes (``Preprocessor``), picks a worker, streams
-the worker's token ids back through the incremental detokenizer (stop strings, finish
-reason, usage) and yields ``TextChunk``s to the Frontend.
+Applies the chat template (with tools) and tokenizes (``Preprocessor``), resolves every
+sampling and output option (``RequestPlan``), picks a worker of the request's model,
+streams the worker's token ids back through the incremental detokenizer (stop strings,
+finish reason, usage) and yields ``TextChunk``s to the Frontend. Requests that ask for
+more than text (``n``, logprobs, echo, tool calls, several prompts) go through the
+``ResponseAssembler``; plain ones through the detokenizer alone.
+
+Models: every model the live workers publish (``dynagraph.llm.models``) is served;
+a request goes only to workers of its ``model``, tokenized with that model's
+tokenizer (``PreprocessorCache``). The ``tokenize`` endpoint answers ``/tokenize`` and
+``/detokenize``.
 
 Picking a worker (``router-mode``):
 
@@ -15,6 +23,18 @@ Picking a worker (``router-mode``):
   not answer within ``router-timeout`` s, the request goes round robin; if the chosen
   worker fails before its first output (dead, unreachable), the next live worker is
   tried (logged; the client sees no error).
+
+SLO-aware admission (``slo-admission``, ``dynagraph.llm.tenants.slo_admission``; needs the
+Router): with each decision the Router reports the candidates' pressure; a request of a
+deferrable class (``batch``) waits while the workers are under pressure (asking the
+Router again, untracked, every ``delay-step`` s: a waiting request is no load) and is refused with 429
+and ``Retry-After`` when they are far over or it has waited ``max-delay`` s. Other classes
+are always sent on. Only a request's first dispatch is judged, never a migration.
+
+Migration (``dynagraph.llm.migration``): a worker stream that breaks after output has
+started continues on another worker of the model (prompt + tokens already sent), up to
+``migration-limit`` times per request; then the client gets an error, never a short
+answer.
 """
 
 from __future__ import annotations
@@ -22,7 +42,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+import random
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
+from functools import partial
+from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
@@ -32,21 +55,42 @@ from components.kv_router import Router
 from components.worker import VllmWorker
 from dynagraph.config import ConfigModel
 from dynagraph.errors import (
+    ConfigError,
     InstanceUnavailable,
+    InvalidRequest,
     NoInstancesError,
     RequestPlaneError,
+    RequestShed,
     StreamBroken,
 )
+from dynagraph.llm.api.tools import TOOL_PARSERS
 from dynagraph.llm.detokenize import detokenize_stream
-from dynagraph.llm.preprocess import Preprocessor
-from dynagraph.llm.protocol import OpenAIRequestEnvelope
+from dynagraph.llm.http.limits import prompt_text_bytes
+from dynagraph.llm.migration import Attempt, migrating
+from dynagraph.llm.model_tokenizers import ModelContext, PreprocessorCache
+from dynagraph.llm.models import ModelDirectory, ServedModel
+from dynagraph.llm.postprocess import ResponseAssembler, assemble_stream
+from dynagraph.llm.protocol import (
+    DetokenizeRequest,
+    OpenAIRequestEnvelope,
+    PreprocessedRequest,
+    TokenizeEnvelope,
+    TokenizeRequest,
+    TokenizeResponse,
+)
 from dynagraph.llm.router import RouteDecision, RouteRequest, RouterMode
-from dynagraph.llm.tokenizer import Tokenizer
+from dynagraph.llm.tenants import Signer, TenantToken, verified
+from dynagraph.llm.tenants.slo import SloClass, default_slo_classes
+from dynagraph.llm.tenants.slo_admission import Action, SloAdmission, SloAdmissionConfig
 from dynagraph.observability.processor_metrics import ProcessorMetrics
 from dynagraph.runtime.round_robin import RoundRobin
 from dynagraph.sdk import Component, depends, endpoint, failover, service
 
 log = logging.getLogger(__name__)
+
+INLINE_PROMPT_BYTES = 16 * 1024
+"""Larger prompts are templated and tokenized in a worker thread: a huge prompt must not
+stall every other request on this event loop (a thread costs ~50 us, a small prompt less)."""
 
 
 class ProcessorConfig(ConfigModel):
@@ -57,6 +101,20 @@ class ProcessorConfig(ConfigModel):
     router_mode: Literal["round-robin", "random", "kv", "kv-load"] = "round-robin"
     router_timeout: float = Field(default=2.0, gt=0.0)
     """Seconds to wait for the Router's decision before falling back to round robin."""
+    migration_limit: int = Field(default=3, ge=0)
+    """How many times one request may move to another worker after its worker failed
+    mid-stream (``dynagraph.llm.migration``); 0 turns migration off."""
+    served_model_name: str | None = None
+    """The model name of workers that publish none (engines from before model discovery)."""
+    tool_call_parser: str | None = None
+    """Parses tool calls from model output (``hermes``); unset, requests with tools get
+    plain text and tool_choice auto/required/named is refused."""
+    chat_template: str | None = None
+    """A Jinja chat template file used instead of the model's own (vLLM's --chat-template)."""
+    slo_classes: dict[str, SloClass] = Field(default_factory=default_slo_classes)
+    """The SLO classes (as the Frontend's ``slo-classes``: share it via common-configs)."""
+    slo_admission: SloAdmissionConfig = Field(default_factory=SloAdmissionConfig)
+    """Delay, then shed, deferrable classes under pressure (needs router-mode kv/kv-load)."""
 
 
 @service(dynamo={"namespace": "dynamo"}, resources={"cpu": 1}, workers=1)
@@ -66,10 +124,29 @@ class Processor(Component):
 
     def __init__(self, config: ProcessorConfig) -> None:
         self.config = config
-        self.preprocessor = Preprocessor(Tokenizer.from_dir(config.model),
-                                         max_model_len=config.max_model_len)
+        if config.tool_call_parser is not None and config.tool_call_parser not in TOOL_PARSERS:
+            raise ConfigError(f"unknown tool-call parser {config.tool_call_parser!r} "
+                              f"(known: {', '.join(TOOL_PARSERS)})", component="Processor",
+                              key="tool-call-parser")
+        template = None
+        if config.chat_template is not None:
+            try:
+                template = Path(config.chat_template).read_text()
+            except OSError as exc:
+                raise ConfigError(f"cannot read the chat template: {exc}",
+                                  component="Processor", key="chat-template") from exc
+        self.preprocessors = PreprocessorCache(config.model, max_model_len=config.max_model_len,
+                                               tool_parser=config.tool_call_parser,
+                                               chat_template=template)
+        self._models = ModelDirectory(config.served_model_name)
         self._rr = RoundRobin()
+        self._rng = random.Random()
         self.metrics = ProcessorMetrics(self.runtime.registry)
+        self.signer = Signer.from_env()
+        try:
+            self.slo = SloAdmission(config.slo_admission, config.slo_classes)
+        except ConfigError as exc:
+            raise ConfigError(str(exc), component="Processor", key="slo-admission") from None
         self.use_router = config.router_mode in ("kv", "kv-load")
         if self.use_router and self.router is None:
             log.warning("router-mode %s needs a Router in the graph; routing round robin",
@@ -80,55 +157,187 @@ class Processor(Component):
     async def generate(self, request: OpenAIRequestEnvelope) -> AsyncIterator[dict[str, Any]]:
         timer = self.metrics.request()
         try:
+            tenant = verified(self.signer, request.tenant)
+            req = request.unwrap()
+            ctx = await self._context(req.model)
             with timer.tokenizing():
-                pre = self.preprocessor.preprocess(request.unwrap(), request.request_id)
-            detok = timer.timed(self.preprocessor.detokenizer(pre))
+                if prompt_text_bytes(req) > INLINE_PROMPT_BYTES:  # keep the loop responsive
+                    plan = await asyncio.to_thread(ctx.preprocessor.plan, req,
+                                                   request.request_id)
+                else:
+                    plan = ctx.preprocessor.plan(req, request.request_id)
+            candidates = partial(self._workers_of, ctx.model.name)
+            if plan.plain:
+                pre = plan.prompts[0].request
+                detok = timer.timed(ctx.preprocessor.detokenizer(pre))
+                timer.dispatched()
+                stream = self._dispatch(pre, candidates, tenant)
+                async with contextlib.aclosing(detokenize_stream(detok, stream)) as chunks:
+                    async for chunk in chunks:
+                        yield chunk.to_wire()
+                return
+            assembler = timer.timed(ResponseAssembler(ctx.preprocessor.tokenizer, ctx.texts,
+                                                      plan))
             timer.dispatched()
-            if self.use_router:
-                stream = self._routed(pre.to_wire(), pre.token_ids)
-            elif self.config.router_mode == "random":
-                stream = self.worker.random(pre.to_wire())
-            else:
-                stream = self.worker.generate(pre.to_wire())
-            async with contextlib.aclosing(detokenize_stream(detok, stream)) as chunks:
+            streams = [self._dispatch(p.request, candidates, tenant) for p in plan.prompts]
+            async with contextlib.aclosing(assemble_stream(assembler, streams)) as chunks:
                 async for chunk in chunks:
                     yield chunk.to_wire()
         finally:
             timer.finished()
 
-    async def _routed(self, wire: dict[str, Any], token_ids: list[int]) -> AsyncIterator[Any]:
-        """The worker's stream for ``wire``, on the worker the Router picks."""
-        ask = RouteRequest(token_ids, track=True, mode=RouterMode(self.config.router_mode))
+    @endpoint()
+    async def tokenize(self, request: TokenizeEnvelope) -> AsyncIterator[dict[str, Any]]:
+        """``/tokenize`` and ``/detokenize`` for the model the body names."""
+        pre = (await self._context(request.model)).preprocessor
+        if request.kind == "detokenize":
+            ids = pre.checked_token_ids(DetokenizeRequest.model_validate(request.body).tokens,
+                                        "tokens")
+            yield {"prompt": pre.tokenizer.decode(ids, skip_special_tokens=False)}
+            return
+        tok = TokenizeRequest.model_validate(request.body)
+        ids = pre.tokenize(tok)
+        strs = None
+        if tok.return_token_strs:
+            strs = [pre.tokenizer.backend.id_to_token(i) or "" for i in ids]
+        yield msgspec.to_builtins(TokenizeResponse(
+            count=len(ids), max_model_len=pre.max_model_len or 0, tokens=ids, token_strs=strs))
+
+    def _served(self) -> dict[str, ServedModel]:
+        return self._models.models(self.worker.endpoint("generate").instances())
+
+    async def _context(self, name: str) -> ModelContext:
+        models = self._served()
+        deadline = asyncio.get_running_loop().time() + 2.0
+        while not models and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)  # right after start-up the watch may lag etcd
+            models = self._served()
+        model = models.get(name)
+        if model is None:
+            if not models:
+                raise NoInstancesError("no model worker is registered")
+            raise InvalidRequest(f"the model {name!r} does not exist; served: "
+                                 f"{', '.join(models)}", param="model", code="model_not_found")
+        return await self.preprocessors.get(model)
+
+    def _workers_of(self, model: str) -> tuple[int, ...]:
+        """The model's live workers now (a migration also finds workers that joined since)."""
+        served = self._served().get(model)
+        return served.instance_ids if served is not None else ()
+
+    def _dispatch(self, pre: PreprocessedRequest, candidates: Callable[[], tuple[int, ...]],
+                  tenant: TenantToken | None = None) -> AsyncGenerator[dict[str, Any], None]:
+        """The worker stream for ``pre`` on ``candidates()`` (the live workers of its model,
+        asked per attempt), continued on another of them if its worker fails mid-stream."""
+        if tenant is not None:
+            pre = msgspec.structs.replace(pre, tenant=tenant)
+        first = True
+
+        def attempt(req: PreprocessedRequest, at: Attempt) -> AsyncGenerator[dict[str, Any], None]:
+            nonlocal first
+            judged, first = first, False
+            if self.use_router:
+                return self._routed(req, candidates(), at, admission=judged)
+            return self._first_reachable(req.to_wire(), None, candidates(), at)
+
+        return migrating(pre, attempt, limit=self.config.migration_limit,
+                         on_migrate=self.metrics.migrated)
+
+    async def _routed(self, pre: PreprocessedRequest, candidates: tuple[int, ...],
+                      attempt: Attempt, *, admission: bool = False
+                      ) -> AsyncGenerator[dict[str, Any], None]:
+        """The worker's stream for ``pre``, on the worker the Router picks; with
+        ``admission``, after SLO-aware admission lets it through (``RequestShed`` if not)."""
+        allowed = attempt.allowed(candidates)
+        slo_class = pre.tenant.slo_class if pre.tenant is not None else "default"
+        ask = RouteRequest(pre.token_ids, track=True, mode=RouterMode(self.config.router_mode),
+                           tenant=pre.tenant, workers=allowed,
+                           slo_class=slo_class if pre.tenant is not None else None)
+        if admission and self.slo.deferrable(slo_class):
+            await self._admitted(pre.request_id, slo_class,
+                                 msgspec.structs.replace(ask, track=False))
         route = self.router.generate(msgspec.to_builtins(ask))
         async with contextlib.aclosing(route):
-            chosen: int | None = None
-            try:
-                async with asyncio.timeout(self.config.router_timeout):
-                    chosen = msgspec.convert(await anext(route), RouteDecision).worker_id
-            except (RequestPlaneError, TimeoutError, StopAsyncIteration,
-                    msgspec.ValidationError) as exc:
-                log.warning("Router gave no decision (%s: %s); routing round robin",
-                            type(exc).__name__, exc)
-            stream = self._first_reachable(wire, chosen)
-            async with contextlib.aclosing(stream):
-                async for item in stream:
-                    yield item
+            decision = await self._decision(route)
+            async for item in self._on_worker(pre, decision, allowed, candidates, attempt):
+                yield item
 
-    def _first_reachable(self, wire: dict[str, Any], chosen: int | None
-                         ) -> AsyncGenerator[Any, None]:
-        """Stream from ``chosen``; if it fails before its first output, from the others
-        (round robin). A failure after the first output is raised as is."""
-        others = [w for w in self._rr.order(self.worker.instance_ids()) if w != chosen]
-        order: Iterator[int] = iter(([chosen] if chosen is not None else []) + others)
+    async def _admitted(self, request_id: str, slo_class: str, probe: RouteRequest) -> None:
+        """Return once SLO-aware admission lets the request through; ``RequestShed`` if it
+        does not. Each check asks the Router untracked (``probe``), so a waiting request
+        never counts as load; the admitted request is then routed (and tracked) as usual."""
+        waited = 0.0
+        while True:
+            route = self.router.generate(msgspec.to_builtins(probe))
+            async with contextlib.aclosing(route):
+                decision = await self._decision(route)
+            if decision is None:
+                return  # no Router answer: routed round robin, nothing to judge by
+            verdict = self.slo.decide(decision.pressure, slo_class, waited)
+            log.debug("request %s (%s): pressure %s -> %s", request_id, slo_class,
+                      decision.pressure, verdict)
+            if verdict.action is Action.ADMIT:
+                if waited > 0:
+                    self.metrics.slo_delayed(slo_class, waited)
+                return
+            if verdict.action is Action.SHED:
+                self.metrics.slo_shed(slo_class)
+                log.info("request %s shed: %s", request_id, verdict.reason)
+                raise RequestShed(verdict.reason, retry_after=verdict.retry_after,
+                                  code="slo_shed")
+            if waited == 0:
+                log.info("request %s delayed: %s", request_id, verdict.reason)
+            await asyncio.sleep(verdict.delay_s)
+            waited += verdict.delay_s
+
+    async def _decision(self, route: AsyncIterator[dict[str, Any]]) -> RouteDecision | None:
+        try:
+            async with asyncio.timeout(self.config.router_timeout):
+                return msgspec.convert(await anext(route), RouteDecision)
+        except (RequestPlaneError, TimeoutError, StopAsyncIteration,
+                msgspec.ValidationError) as exc:
+            log.warning("Router gave no decision (%s: %s); routing round robin",
+                        type(exc).__name__, exc)
+            return None
+
+    async def _on_worker(self, pre: PreprocessedRequest, decision: RouteDecision | None,
+                         allowed: list[int], candidates: tuple[int, ...], attempt: Attempt
+                         ) -> AsyncGenerator[dict[str, Any], None]:
+        """The stream of the worker ``decision`` names (round robin without one)."""
+        chosen = decision.worker_id if decision is not None else None
+        if chosen is not None and chosen not in allowed:
+            log.warning("Router chose worker %x, which cannot take this request", chosen)
+            chosen = None
+        stream = self._first_reachable(pre.to_wire(), chosen, candidates, attempt)
+        async with contextlib.aclosing(stream):
+            async for item in stream:
+                yield item
+
+    def _first_reachable(self, wire: dict[str, Any], chosen: int | None,
+                         candidates: tuple[int, ...], attempt: Attempt
+                         ) -> AsyncGenerator[dict[str, Any], None]:
+        """Stream from ``chosen`` (None: the next candidate in turn, or a random one); if it
+        fails before its first output, from the other candidates. A failure after the first
+        output is raised as is (``migrating`` takes it from there). The worker in use is
+        ``attempt.worker``; only ``attempt.allowed`` workers are asked."""
+        live = attempt.allowed(w for w in self.worker.instance_ids() if w in candidates)
+        if self.config.router_mode == "random":
+            self._rng.shuffle(live)
+        else:
+            live = self._rr.order(live)
+        order: Iterator[int] = iter(([chosen] if chosen in live else [])
+                                    + [w for w in live if w != chosen])
 
         async def next_worker(failed: list[int]) -> int | None:
-            return next(order, None)
+            attempt.worker = next(order, None)
+            return attempt.worker
 
         def retrying(w: int, exc: Exception) -> None:
+            attempt.failed(w)
             log.warning("worker %x failed before its first output (%s); trying another", w, exc)
 
         def exhausted(last: Exception | None) -> Exception:
-            return last or NoInstancesError("no live VllmWorker to route to")
+            return last or NoInstancesError("no live worker of this model to route to")
 
         return failover(next_worker, lambda w: self.worker.direct(wire, w),
                         retry_on=(InstanceUnavailable, NoInstancesError, StreamBroken),

@@ -16,25 +16,42 @@ Disaggregated prefill (graph ``graphs/disagg.py`` links ``PrefillWorker``; confi
 (``dynagraph.llm.disagg.policy``); a remote prefill's KV arrives over NIXL through the
 ``kv_transfer_params`` a ``PrefillWorker`` hands to ``prefill_done``. In the agg graph
 ``self.prefill`` is None and nothing of this is set up.
+
+Attention-FFN disaggregation (graph ``graphs/agg_afd.py`` links ``FfnWorker``): before
+the engine starts, ``AfdAttachment`` (``dynagraph.llm.afd.attach``) waits for FfnWorkers
+covering every layer, hands their addresses to the engine and switches the model to
+its AFD variant (attention here, FFN on the FfnWorkers); it keeps the engine's view of
+the FfnWorkers current while serving. Without the link ``self.ffn`` is None.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, ClassVar, Protocol
 
+from components.ffn_worker import FfnWorker
 from components.prefill_worker import PrefillWorker
+from dynagraph.aio import aclose, cancel_and_wait
 from dynagraph.errors import ConfigError, EngineError
+from dynagraph.llm.afd.attach import AfdAttachment
+from dynagraph.llm.afd.settings import AfdOptions
 from dynagraph.llm.disagg import DecodeDisaggKeys, PrefillResult
 from dynagraph.llm.disagg.decode import DecodeDisagg
-from dynagraph.llm.engines.base import SamplingSpec
-from dynagraph.llm.engines.vllm_engine import VllmEngine, VllmEngineArgs
-from dynagraph.llm.kv.relay import KvEventRelay, load_snapshots
+from dynagraph.llm.disagg.policy import LIVE as DISAGG_LIVE
+from dynagraph.llm.disagg.policy import DisaggConfig
+from dynagraph.llm.engines.base import Engine, SamplingSpec
+from dynagraph.llm.engines.vllm_engine import VllmEngine, VllmEngineArgs, spread_bind
+from dynagraph.llm.kv.relay import KvEventFeed, KvEventRelay, load_snapshots
+from dynagraph.llm.models import served_model_metadata
 from dynagraph.llm.protocol import LLMEngineOutput, PreprocessedRequest
 from dynagraph.llm.router.hashing import BlockHasher, seed_from_env
+from dynagraph.llm.tenants import Signer, cache_salt_of
+from dynagraph.observability.afd_metrics import register_engine_afd
 from dynagraph.observability.worker_metrics import register_engine_load
+from dynagraph.runtime.live_settings import LiveSpec
 from dynagraph.sdk import (
     Component,
     async_on_shutdown,
@@ -55,14 +72,66 @@ class VllmWorkerConfig(VllmEngineArgs, DecodeDisaggKeys):
     """Turn on vLLM's KV events and serve them on ``kv_events`` (for a KV Router)."""
     load_metrics_interval: float = 0.1
     """Seconds between two ``load_metrics`` samples."""
+    afd: AfdOptions = AfdOptions()
+    """Attention-FFN disaggregation settings (used when an FfnWorker is linked)."""
+
+
+class _LoadConfig(Protocol):
+    load_metrics_interval: float
+
+
+class DecodeWorkerEndpoints(Component):
+    """The endpoints a decode worker serves besides ``generate`` (VllmWorker, MockerWorker):
+    remote-prefill hand-over, KV events for the Router, engine load."""
+
+    LOAD_CHANGES_ONLY: ClassVar[bool] = False
+    """``load_metrics`` sends a sample only when it changed (else every interval)."""
+    config: _LoadConfig
+    disagg: DecodeDisagg | None
+    engine: Engine
+
+    def _kv_feed(self) -> KvEventFeed | None:
+        raise NotImplementedError
+
+    @endpoint()
+    async def prefill_done(self, result: PrefillResult) -> AsyncIterator[dict[str, Any]]:
+        """A prefill worker hands over a remote prefill's KV transfer parameters."""
+        accepted = self.disagg is not None and await self.disagg.deliver(result)
+        yield {"accepted": accepted}
+
+    @endpoint(drain=False)
+    async def kv_events(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """A snapshot of this worker's cached blocks, then live deltas, until closed."""
+        feed = self._kv_feed()
+        if feed is None:
+            raise EngineError("this worker does not publish KV events (publish-kv-events)")
+        async with feed.subscribe() as sub:
+            async for batch in sub:
+                yield batch.to_wire()
+
+    @endpoint(drain=False)
+    async def load_metrics(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """The engine's load (``EngineLoad``) every ``load-metrics-interval`` s (with
+        ``LOAD_CHANGES_ONLY``: only when it changed)."""
+        async for load in load_snapshots(self.engine.load, self.config.load_metrics_interval,
+                                         changes_only=self.LOAD_CHANGES_ONLY):
+            yield load.model_dump()
 
 
 @service(dynamo={"namespace": "dynamo"}, resources={"cpu": 1}, workers=1)
-class VllmWorker(Component):
+class VllmWorker(DecodeWorkerEndpoints):
+    config: VllmWorkerConfig
+    engine: VllmEngine
+    LIVE_SETTINGS: ClassVar[LiveSpec[DisaggConfig]] = DISAGG_LIVE
+    """Live only with remote prefill on (the disagg graphs)."""
     prefill = depends(PrefillWorker)
+    ffn = depends(FfnWorker)
 
     def __init__(self, config: VllmWorkerConfig) -> None:
+        config = config.model_copy(update={"cpu_threads_bind": spread_bind(
+            config.cpu_threads_bind, self.runtime.worker_index, os.cpu_count() or 1)})
         self.config = config
+        self.signer = Signer.from_env()
         self.disagg = DecodeDisagg.create(config, self.runtime, self.prefill,
                                           config.kv_transfer_config)
         if self.disagg is not None:
@@ -77,79 +146,124 @@ class VllmWorker(Component):
             self.relay = KvEventRelay(hasher=self.hasher)
             config = config.model_copy(update={"kv_events_endpoint": self.relay.bind()})
         self.engine = VllmEngine(config)
+        self.afd: AfdAttachment | None = None
+        self._afd_task: asyncio.Task[None] | None = None
+        if self.ffn is not None:
+            ffn_info = self.ffn.endpoint("info")
+            self.afd = AfdAttachment(config.afd, config.model, ffn_info.instances)
 
     @async_on_start
     async def start(self) -> None:
         if self.relay is not None:
             await self.relay.start()
+        if self.afd is not None:
+            self.engine.args = await self.afd.prepare(self.engine.args)
         await self.engine.start()
+        if self.afd is not None:
+            self._afd_task = asyncio.create_task(self.afd.follow(self._restart_engine),
+                                                 name="afd-peers")
         if self.disagg is not None:
             await self.disagg.start(self.engine, self.hasher)
         register_engine_load(self.engine.load, worker=f"{self.runtime.instance_id:x}",
                              registry=self.runtime.registry)
+        if self.afd is not None:
+            register_engine_afd(self.afd.stats, worker=f"{self.runtime.instance_id:x}",
+                                registry=self.runtime.registry)
+        self.runtime.metadata.update(served_model_metadata(self.config, self.engine.max_model_len))
         self.runtime.metadata.update(
-            {"block_size": self.hasher.block_size, "max_model_len": self.engine.max_model_len,
+            {"block_size": self.hasher.block_size,
              "kv_events": self.relay is not None, "kv_hash_algo": self.hasher.algo,
              "kv_hash_seed": self.hasher.seed}
         )
         log.info("engine ready in %.1fs (max_model_len %d)", self.engine.start_seconds,
                  self.engine.max_model_len)
 
+    async def _restart_engine(self) -> None:
+        """A new engine after the old one died for want of FfnWorkers (AFD)."""
+        try:
+            await self.engine.shutdown()
+        except Exception:  # the dead engine may fail its own shutdown; start anew anyway
+            log.exception("shutting the failed engine down")
+        await self.engine.start()
+
     @async_on_shutdown
     async def stop(self) -> None:
         if self.disagg is not None:
             await self.disagg.stop()
         await self.engine.shutdown()
+        if self.afd is not None:
+            if self._afd_task is not None:
+                await cancel_and_wait([self._afd_task])
+            self.afd.close()
         if self.relay is not None:
             await self.relay.close()
 
     @endpoint()
     async def generate(self, request: PreprocessedRequest) -> AsyncIterator[dict[str, Any]]:
-        first = True
         kv_params = None
-        if self.disagg is not None:
+        s = request.sampling
+        salt = cache_salt_of(self.signer, request.tenant)
+        # Prompt logprobs need the prompt computed here; n > 1 forks one local prefill.
+        if self.disagg is not None and s.prompt_logprobs is None and s.n == 1:
             plan = await self.disagg.plan(request.request_id, request.token_ids,
-                                          request.sampling.temperature, request.sampling.seed)
+                                          s.temperature, s.seed, salt)
             kv_params = plan.kv_transfer_params
-        async for out in self.engine.generate(request.request_id, request.token_ids,
-                                              to_sampling_spec(request),
-                                              kv_transfer_params=kv_params):
-            msg = LLMEngineOutput(token_ids=out.token_ids, finish_reason=out.finish_reason)
-            if first or out.finish_reason is not None:
-                msg.prompt_tokens = out.num_prompt_tokens
-                msg.cached_tokens = out.num_cached_tokens
-                first = False
-            yield msg.to_wire()
+        stream = engine_stream(self.engine, request, kv_params, salt)
+        try:
+            async for msg in stream:
+                yield msg
+        except EngineError as exc:
+            if self.afd is None:
+                raise
+            raise self.afd.explain(exc) from exc  # AFD: name the layer no FfnWorker computes
+        finally:
+            await aclose(stream)  # a caller gone early aborts the request in the engine now
 
-    @endpoint()
-    async def prefill_done(self, result: PrefillResult) -> AsyncIterator[dict[str, Any]]:
-        """A PrefillWorker hands over a remote prefill's KV transfer parameters."""
-        accepted = self.disagg is not None and self.disagg.deliver(result)
-        yield {"accepted": accepted}
-
-    @endpoint()
-    async def kv_events(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        """A snapshot of this worker's cached blocks, then live deltas, until closed."""
-        if self.relay is None:
-            raise EngineError("this worker does not publish KV events (publish-kv-events)")
-        async with self.relay.subscribe() as sub:
-            async for batch in sub:
-                yield batch.to_wire()
-
-    @endpoint()
-    async def load_metrics(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        """The engine's load (``EngineLoad``) now and every ``load-metrics-interval`` s."""
-        async for load in load_snapshots(self.engine.load, self.config.load_metrics_interval):
-            yield load.model_dump()
+    def _kv_feed(self) -> KvEventFeed | None:
+        return self.relay
 
 
 def _hash_algo(config: VllmEngineArgs) -> Any:
     return config.extra_engine_args.get("prefix_caching_hash_algo", "sha256")
 
 
-def to_sampling_spec(request: PreprocessedRequest) -> SamplingSpec:
+async def engine_stream(engine: Engine, request: PreprocessedRequest,
+                        kv_params: dict[str, Any] | None, cache_salt: str | None = None
+                        ) -> AsyncIterator[dict[str, Any]]:
+    """``request`` through ``engine``, as the ``generate`` endpoint's wire messages
+    (``LLMEngineOutput``; prompt and cached token counts on the first and last)."""
+    first = True
+    outs = engine.generate(request.request_id, request.token_ids,
+                           to_sampling_spec(request, cache_salt),
+                           kv_transfer_params=kv_params)
+    try:
+        async for out in outs:
+            msg = LLMEngineOutput(token_ids=out.token_ids, finish_reason=out.finish_reason)
+            if out.index or out.logprobs is not None or out.prompt_logprobs is not None:
+                msg.index, msg.logprobs = out.index, out.logprobs
+                msg.prompt_logprobs = out.prompt_logprobs
+            if first or out.finish_reason is not None:
+                msg.prompt_tokens = out.num_prompt_tokens
+                msg.cached_tokens = out.num_cached_tokens
+                first = False
+            yield msg.to_wire()
+    finally:
+        await aclose(outs)  # closing early aborts the request in the engine, now
+
+
+def to_sampling_spec(request: PreprocessedRequest, cache_salt: str | None = None
+                     ) -> SamplingSpec:
     s = request.sampling
     return SamplingSpec(
+        cache_salt=cache_salt,
+        priority=request.tenant.priority if request.tenant is not None else 0,
         max_tokens=s.max_tokens, min_tokens=s.min_tokens, temperature=s.temperature,
-        top_p=s.top_p, seed=s.seed, ignore_eos=s.ignore_eos, stop_token_ids=s.stop_token_ids,
+        top_p=s.top_p, top_k=s.top_k if s.top_k > 0 else None, min_p=s.min_p, seed=s.seed,
+        ignore_eos=s.ignore_eos, stop_token_ids=s.stop_token_ids,
+        presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty, logit_bias=s.logit_bias,
+        bad_words=s.bad_words, allowed_token_ids=s.allowed_token_ids, n=s.n,
+        logprobs=s.logprobs, prompt_logprobs=s.prompt_logprobs,
+        structured_outputs=(None if s.structured_outputs is None
+                            else s.structured_outputs.to_wire()),
     )

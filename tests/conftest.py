@@ -6,28 +6,35 @@ Set ETCD_ENDPOINTS / NATS_SERVER to use already-running services instead.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from dynagraph.runtime.infra import LocalService, start_etcd, start_nats
 
+pytest_plugins = ["tests.support.heartbeat"]  # a line when a long run goes quiet (CI logs)
+
 REPO = Path(__file__).resolve().parents[1]
 MODEL_DIR = REPO / "models" / "tiny-llama"
+
+
+def _service(env: str, start: Callable[[], LocalService]) -> Iterator[LocalService | None]:
+    """A local service for the whole session, or None when ``env`` names one already."""
+    if os.environ.get(env):
+        yield None
+        return
+    svc = start()
+    try:
+        yield svc
+    finally:
+        svc.stop()
 
 
 @pytest.fixture(scope="session")
 def etcd_service() -> Iterator[LocalService | None]:
     """A local etcd for the whole test session (None when ETCD_ENDPOINTS is set)."""
-    if os.environ.get("ETCD_ENDPOINTS"):
-        yield None
-        return
-    svc = start_etcd()
-    try:
-        yield svc
-    finally:
-        svc.stop()
+    yield from _service("ETCD_ENDPOINTS", start_etcd)
 
 
 @pytest.fixture(scope="session")
@@ -39,14 +46,7 @@ def etcd_url(etcd_service: LocalService | None) -> str:
 @pytest.fixture(scope="session")
 def nats_service() -> Iterator[LocalService | None]:
     """A local nats-server with JetStream for the whole session (None when NATS_SERVER is set)."""
-    if os.environ.get("NATS_SERVER"):
-        yield None
-        return
-    svc = start_nats()
-    try:
-        yield svc
-    finally:
-        svc.stop()
+    yield from _service("NATS_SERVER", start_nats)
 
 
 @pytest.fixture(scope="session")

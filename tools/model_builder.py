@@ -4,6 +4,7 @@ No model hub is reachable from where dynagraph runs, so tests, benchmarks and th
 README demo use a model made here:
 
     python -m tools.model_builder --out models/tiny-llama [--train-seconds N]
+    python -m tools.model_builder --moe     # models/tiny-moe, see tools/moe_builder.py
 
 The directory holds ``config.json`` (Llama: hidden 256, 4 layers, 4 heads, 2 KV
 heads, 8192 positions), ``model.safetensors``, a byte-level BPE tokenizer
@@ -38,12 +39,13 @@ import tempfile
 import time
 import types
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 BOS = "<|begin_of_text|>"
 EOS_TEXT = "<|end_of_text|>"
@@ -281,6 +283,7 @@ def _train(model: Any, ids: list[int], spec: BuildSpec) -> dict[str, Any]:
     deadline = start + spec.train_seconds
     loss_val = float("nan")
     step = 0
+    said = start
     while step < spec.train_steps and time.monotonic() < deadline:
         starts = torch.randint(0, len(data) - spec.seq_len, (spec.batch_size,), generator=gen)
         batch = torch.stack([data[s : s + spec.seq_len] for s in starts.tolist()])
@@ -294,13 +297,37 @@ def _train(model: Any, ids: list[int], spec: BuildSpec) -> dict[str, Any]:
         opt.step()
         loss_val = float(out.loss.detach())
         step += 1
-        if step % 50 == 0:
-            log.info("step %d/%d loss %.3f", step, spec.train_steps, loss_val)
+        now = time.monotonic()
+        if now - said >= PROGRESS_EVERY:
+            said = now
+            log.info("[3/4] training: %s", training_progress(step, spec, now - start, loss_val))
     elapsed = time.monotonic() - start
     if step < spec.train_steps:
         log.warning("time budget of %.0fs ran out after %d steps", spec.train_seconds, step)
     model.eval()
     return {"steps_done": step, "final_loss": loss_val, "train_seconds_used": round(elapsed, 1)}
+
+
+PROGRESS_EVERY = 10.0
+"""Seconds between two progress lines while training."""
+
+
+def training_progress(step: int, spec: BuildSpec, elapsed: float, loss: float) -> str:
+    """``step 350/800 (44%), loss 3.21, 52s, ~1m06s left``: training stops at
+    ``train_steps`` or after ``train_seconds``, whichever comes first, so the progress is
+    the larger of the two fractions and the estimate the smaller of the two remainders."""
+    by_steps = step / max(spec.train_steps, 1)
+    by_time = elapsed / spec.train_seconds if spec.train_seconds > 0 else 0.0
+    frac = min(max(by_steps, by_time), 1.0)
+    left = min(elapsed / by_steps - elapsed if by_steps > 0 else spec.train_seconds,
+               spec.train_seconds - elapsed)
+    return (f"step {step}/{spec.train_steps} ({100 * frac:.0f}%), loss {loss:.2f}, "
+            f"{_clock(elapsed)}, ~{_clock(max(left, 0.0))} left")
+
+
+def _clock(seconds: float) -> str:
+    s = int(round(seconds))
+    return f"{s}s" if s < 60 else f"{s // 60}m{s % 60:02d}s"
 
 
 def _build_into(tmp: Path, spec: BuildSpec) -> dict[str, Any]:
@@ -313,17 +340,28 @@ def _build_into(tmp: Path, spec: BuildSpec) -> dict[str, Any]:
     torch.manual_seed(spec.seed)
     rng = random.Random(spec.seed)
 
+    t0 = time.monotonic()
     paragraphs = local_corpus()
     corpus_sha = hashlib.sha256("\n".join(paragraphs).encode()).hexdigest()
+    log.info("[1/4] corpus: %d paragraphs of local text (%.1fs)", len(paragraphs),
+             time.monotonic() - t0)
+    t0 = time.monotonic()
     tok = train_tokenizer(paragraphs, spec.vocab_size)
     _write_tokenizer(tok, tmp, spec)
     ids = _training_stream(tok, paragraphs, rng)
+    log.info("[2/4] tokenizer: byte-level BPE of %d tokens, %d training tokens (%.1fs)",
+             tok.get_vocab_size(), len(ids), time.monotonic() - t0)
 
     model: Any = LlamaForCausalLM(  # type: ignore[no-untyped-call]  # untyped in transformers
         _llama_config(spec, tok.get_vocab_size()))
     stats: dict[str, Any] = {"steps_done": 0, "final_loss": None, "train_seconds_used": 0.0}
     if spec.train_seconds > 0 and spec.train_steps > 0:
+        log.info("[3/4] training: up to %d steps or %s, whichever comes first",
+                 spec.train_steps, _clock(spec.train_seconds))
         stats = _train(model, ids, spec)
+        log.info("[3/4] training: %d steps in %s, loss %.2f", stats["steps_done"],
+                 _clock(stats["train_seconds_used"]), stats["final_loss"])
+    t0 = time.monotonic()
     # bfloat16 on disk: vLLM serves it in bfloat16 on the CPU anyway (no downcast warnings).
     model.to(torch.bfloat16).save_pretrained(tmp, safe_serialization=True)
     gen = GenerationConfig(  # type: ignore[no-untyped-call]  # untyped in transformers
@@ -340,25 +378,26 @@ def _build_into(tmp: Path, spec: BuildSpec) -> dict[str, Any]:
         **stats,
     }
     (tmp / "dynagraph_build.json").write_text(json.dumps(info, indent=2) + "\n")
+    log.info("[4/4] saved (%.1fs)", time.monotonic() - t0)
     return info
 
 
 # ---------------------------------------------------------------- public API
 
 
-def is_complete(path: Path) -> bool:
-    """True if ``path`` holds every file a finished build of the current format writes."""
+def is_complete(path: Path, build_format: int = BUILD_FORMAT) -> bool:
+    """True if ``path`` holds every file a finished build of ``build_format`` writes."""
     if not all((path / name).is_file() for name in REQUIRED_FILES):
         return False
     try:
         info = json.loads((path / "dynagraph_build.json").read_text())
     except (OSError, ValueError):
         return False
-    return isinstance(info, dict) and info.get("format") == BUILD_FORMAT
+    return isinstance(info, dict) and info.get("format") == build_format
 
 
 @contextlib.contextmanager
-def _locked(out: Path) -> Iterator[None]:
+def locked(out: Path) -> Iterator[None]:
     lock_path = out.parent / f".{out.name}.lock"
     with open(lock_path, "a+") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)  # a concurrent build finishes in minutes at most
@@ -366,6 +405,23 @@ def _locked(out: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def build_atomically(out: Path, build: Callable[[Path], T]) -> T:
+    """``build(tmp)`` into a new directory beside ``out``, then swap it in for ``out``: a
+    reader never sees a half-written model, and a failed build leaves ``out`` as it was."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        result = build(tmp)
+        if out.exists():
+            trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            os.rename(out, trash / out.name)
+            shutil.rmtree(trash, ignore_errors=True)
+        tmp.chmod(0o755)
+        os.rename(tmp, out)
+        return result
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def ensure_model(
@@ -378,28 +434,20 @@ def ensure_model(
     spec = spec or BuildSpec()
     out = Path(out).resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
-    with _locked(out):
+    with locked(out):
         if is_complete(out) and not force:
             log.debug("model already built at %s", out)
             return out
         start = time.monotonic()
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-        try:
-            info = _build_into(tmp, spec)
-            if out.exists():
-                trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-                os.rename(out, trash / out.name)
-                shutil.rmtree(trash, ignore_errors=True)
-            tmp.chmod(0o755)
-            os.rename(tmp, out)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        log.info("building %s (corpus, tokenizer, about %s of training, save)", out,
+                 _clock(spec.train_seconds))
+        info = build_atomically(out, lambda tmp: _build_into(tmp, spec))
         log.info(
-            "built %s in %.1fs (%d training steps, loss %s)",
+            "built %s in %s (%d training steps%s)",
             out,
-            time.monotonic() - start,
+            _clock(time.monotonic() - start),
             info["steps_done"],
-            info["final_loss"],
+            f", loss {info['final_loss']:.2f}" if info["final_loss"] is not None else "",
         )
         return out
 
@@ -408,7 +456,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m tools.model_builder", description=__doc__.split("\n\n")[0]
     )
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="model directory")
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"model directory (default {DEFAULT_OUT}; with --moe models/tiny-moe)")
+    parser.add_argument("--moe", action="store_true",
+                        help="build the Mixtral-style MoE model (tools/moe_builder.py)")
     parser.add_argument(
         "--train-seconds",
         type=float,
@@ -419,9 +470,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=BuildSpec.seed)
     parser.add_argument("--force", action="store_true", help="rebuild even if complete")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    logging.basicConfig(level=logging.INFO, format="model_builder: %(message)s")
     spec = BuildSpec(train_seconds=args.train_seconds, train_steps=args.train_steps, seed=args.seed)
-    path = ensure_model(args.out, spec, force=args.force)
+    if args.moe:
+        from tools.moe_builder import DEFAULT_MOE_OUT, ensure_moe_model
+
+        path = ensure_moe_model(args.out or DEFAULT_MOE_OUT, force=args.force)
+    else:
+        path = ensure_model(args.out or DEFAULT_OUT, spec, force=args.force)
     print(path)  # the command's output, for scripts
     return 0
 

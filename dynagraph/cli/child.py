@@ -4,8 +4,13 @@
 
 ``RUN.json`` is written by the supervisor: the graph target and every component's
 resolved config. The process connects to etcd (``ETCD_ENDPOINTS``), exposes its
-Prometheus metrics on a free loopback port, runs the component until SIGTERM/SIGINT,
-then unregisters (revokes its lease) and exits 0.
+Prometheus metrics on a free port (or ``DYNAMO_METRICS_PORT``) of this host's address
+(``DYNAMO_HOST``, default 127.0.0.1), binds its request plane there too, runs the component
+(``engines-per-process``-style components: several instances, see
+``dynagraph.sdk._process``) until SIGTERM/SIGINT, then unregisters (revokes its lease)
+and exits 0. With a non-loopback ``DYNAMO_HOST`` it refuses to publish any loopback
+address (``dynagraph.runtime.addresses``). ``DYNAMO_SERVE_ID`` (set by ``dynamo serve``)
+is published with each instance as ``serve_id``.
 """
 
 from __future__ import annotations
@@ -19,12 +24,19 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Mapping
 from typing import Any
 
-from dynagraph.cli._logging import setup_logging
+from dynagraph.aio import cancel_and_wait
+from dynagraph.cli._logging import exit_now, setup_logging
+from dynagraph.cli.serve_part import SERVE_ID_ENV
+from dynagraph.errors import ConfigError, InfraError
+from dynagraph.observability.task_dump import install_task_dump
+from dynagraph.runtime.addresses import host_from_env, publish_guard
 from dynagraph.runtime.discovery import discovery_from_env
+from dynagraph.sdk._config import instances_per_process
 from dynagraph.sdk._graph import resolve_target
-from dynagraph.sdk._runtime import ComponentRuntime
+from dynagraph.sdk._process import ProcessInstances
 
 log = logging.getLogger("dynagraph.child")
 
@@ -39,38 +51,79 @@ def die_with_parent(parent_pid: int | None) -> None:
         raise SystemExit(f"supervisor {parent_pid} is gone")
 
 
+def metrics_bind(environ: Mapping[str, str]) -> tuple[str, int]:
+    """Where the metrics server listens: ``DYNAMO_HOST`` (default 127.0.0.1), on a free
+    port, or with ``DYNAMO_METRICS_PORT`` set (Kubernetes: a fixed port Prometheus and
+    the probes know) on that port. A fixed port means one worker per host."""
+    host = host_from_env(environ)
+    raw = environ.get("DYNAMO_METRICS_PORT", "").strip()
+    if not raw:
+        return host, 0
+    if not raw.isdigit() or not 1 <= int(raw) <= 65535:
+        raise ConfigError(f"{raw!r} is not a TCP port", key="DYNAMO_METRICS_PORT")
+    return host, int(raw)
+
+
 def start_metrics_server() -> str:
-    """Serve this process's default Prometheus registry on a free loopback port."""
+    """Serve this process's default Prometheus registry (see `metrics_bind`); returns
+    ``host:port``."""
     from prometheus_client import start_http_server
 
-    server, _thread = start_http_server(0, addr="127.0.0.1")
-    return f"127.0.0.1:{server.server_port}"
+    host, port = metrics_bind(os.environ)
+    try:
+        server, _thread = start_http_server(port, addr=host)
+    except OSError as exc:
+        raise InfraError(f"cannot serve metrics on {host}:{port} (DYNAMO_METRICS_PORT): "
+                         f"{exc.strerror}; a fixed port takes one worker per host") from exc
+    return f"{host}:{server.server_port}"
 
 
 async def run(spec: dict[str, Any], component: str, index: int) -> int:
     graph = resolve_target(spec["target"])
     cls = graph.by_name(component)
     values = spec["configs"][component]["values"]
+    host = host_from_env()
     metrics_address = start_metrics_server()
-    discovery = discovery_from_env()
-    await discovery.start()
-    runtime = ComponentRuntime(graph, cls, values, discovery=discovery, worker_index=index,
-                               nats_url=os.environ.get("NATS_SERVER"),
-                               metrics_address=metrics_address)
+    serve_id = os.environ.get(SERVE_ID_ENV)
+
+    def new_discovery() -> Any:
+        discovery = discovery_from_env()
+        discovery.publish_check = publish_guard(host)
+        return discovery
+
+    instances = ProcessInstances(graph, cls, values, count=instances_per_process(cls, values),
+                                 new_discovery=new_discovery, worker_index=index,
+                                 nats_url=os.environ.get("NATS_SERVER"),
+                                 metrics_address=metrics_address, host=host,
+                                 labels={"serve_id": serve_id} if serve_id else None)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    install_task_dump(loop)
     try:
-        await runtime.start()
+        if not await _start_unless_stopped(instances, stop):
+            log.info("stopped while starting")
+            return 0
         await stop.wait()
         log.info("stopping")
     finally:
-        try:
-            await runtime.stop()
-        finally:
-            await discovery.close()
+        await instances.stop()
     return 0
+
+
+async def _start_unless_stopped(instances: ProcessInstances, stop: asyncio.Event) -> bool:
+    """Start the component; a stop signal during its start hooks (an engine loading)
+    cancels the start instead of waiting for it. True if it started."""
+    starting = asyncio.create_task(instances.start(), name="component-start")
+    stopped = asyncio.create_task(stop.wait(), name="stop-signal")
+    await asyncio.wait({starting, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    if starting.done():
+        stopped.cancel()
+        starting.result()  # a failed start raises here
+        return True
+    await cancel_and_wait([starting], timeout=10)
+    return False
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,10 +146,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    # Everything is stopped and unregistered by now: skip interpreter finalization,
-    # whose last garbage collection over vLLM/torch objects took 3+ s (measured).
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_now(main())

@@ -4,8 +4,13 @@ One process per component worker (``python -m dynagraph.cli.child``). Each line 
 prints is echoed with a ``[Component:index]`` prefix. ``serve`` returns once the graph
 is stopped:
 
-- **Ready**: every component has ``workers`` instance records in etcd, else after
-  ``--ready-timeout`` it names the missing ones, stops everything and exits 1.
+- **Ready**: every component it started has ``workers`` x ``instances-per-process`` (see
+  ``dynagraph.sdk._process``) instance records in etcd (its own: records carry this
+  serve's ``serve_id``), else after ``--ready-timeout`` it names the missing ones, stops
+  everything and exits 1.
+- **Part of a graph** (``--service-name``, see ``serve_part``): only those components
+  start (and follow scale keys); the rest run on other hosts. ``--host`` is where the
+  children bind and what they publish (``DYNAMO_HOST``).
 - **Stop**: on SIGINT/SIGTERM every child gets SIGTERM, then SIGKILL after
   ``--stop-timeout`` (default 8 s), and whatever is left in each child's process group
   (e.g. a vLLM engine core) is killed; the local etcd/NATS it started go last. Children
@@ -17,6 +22,13 @@ is stopped:
   4 ... 30 s; more than ``--max-restarts`` restarts within 60 s stops the graph. With
   ``--restart never`` the graph stops at once. Either way, a graph stopped because of
   a child exits with that child's exit code (128 + signal number if it was killed).
+- **Scaling at run time**: once ready, ``serve`` follows ``/{namespace}/scale/{Component}``
+  in etcd (``dynagraph.planner.connector``: the Planner writes them, or a person with
+  ``etcdctl``) and starts or retires worker processes of that component to match
+  (``dynagraph.cli.scaling.reconcile``). A retired worker gets SIGTERM: it withdraws from
+  discovery (no new requests), drains its requests in flight for up to ``--drain-grace``
+  seconds (every child gets ``DYNAMO_DRAIN_GRACE_S``) and exits; it is killed if it has not
+  after that plus ``--stop-timeout``. Its exit is expected: never restarted.
 """
 
 from __future__ import annotations
@@ -30,33 +42,33 @@ import signal
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
+from dynagraph.aio import cancel_and_wait
+from dynagraph.cli import serve_part, serve_state
+from dynagraph.cli._banner import component_lines
+from dynagraph.cli._logging import child_log_env
+from dynagraph.cli.scaling import Child, RuntimeScaling, sweep_group
+from dynagraph.cli.startup_output import StartupOutput
+from dynagraph.errors import GraphError
+from dynagraph.llm.tenants.identity import SECRET_ENV, new_secret
 from dynagraph.observability.graph_targets import GraphTargets
+from dynagraph.runtime import progress
 from dynagraph.runtime.infra import LocalService, start_etcd, start_nats
 from dynagraph.sdk._config import ComponentConfig
 from dynagraph.sdk._graph import Graph
+from dynagraph.sdk._runtime import DRAIN_GRACE_ENV, DRAIN_GRACE_S
 from dynagraph.sdk._service import spec_of
+
+if TYPE_CHECKING:
+    from dynagraph.runtime.discovery import Discovery
 
 log = logging.getLogger("dynagraph.serve")
 
 RESTART_WINDOW = 60.0
-
-
-@dataclass
-class Child:
-    component: str
-    index: int
-    env: dict[str, str]
-    proc: asyncio.subprocess.Process | None = None
-    restarts: list[float] = field(default_factory=list)
-    pump: asyncio.Task[None] | None = None
-
-    @property
-    def label(self) -> str:
-        return f"{self.component}:{self.index}"
 
 
 @dataclass
@@ -65,9 +77,15 @@ class ServeOptions:
     stop_timeout: float = 8.0
     restart: str = "on-failure"  # or "never"
     max_restarts: int = 5
+    log_level: str = "info"
+    drain_grace: float = DRAIN_GRACE_S
+    host: str = "127.0.0.1"
+    """This host's address (``--host``): the children bind and publish it."""
+    service_names: tuple[str, ...] = ()
+    """Start only these components (``--service-name``); empty: the whole graph."""
 
 
-class Supervisor:
+class Supervisor(RuntimeScaling):
     def __init__(self, target: str, graph: Graph, configs: dict[str, ComponentConfig],
                  options: ServeOptions) -> None:
         self.target = target
@@ -79,6 +97,12 @@ class Supervisor:
         self.stopping = asyncio.Event()
         self.exit_code = 0
         self._tmp = tempfile.TemporaryDirectory(prefix="dynamo-serve-")
+        self.startup: StartupOutput | None = None
+        self._child_base_env: dict[str, str] = {}
+        self._children_changed = asyncio.Event()
+        self._retirements: set[asyncio.Task[None]] = set()
+        self.started = serve_part.select(graph, configs, options.service_names)
+        self.serve_id = uuid.uuid4().hex
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -87,35 +111,52 @@ class Supervisor:
         t0 = time.monotonic()
         discovery = None
         targets: GraphTargets | None = None
+        state_path: str | None = None
         try:
             env = self._infra_env()
+            state_path = serve_state.publish(
+                self.target, {spec_of(c).name: spec_of(c).namespace for c in self.graph.nodes},
+                self.configs, env, embedded=bool(self.services))
             from dynagraph.runtime.discovery import discovery_from_env
 
             discovery = discovery_from_env(env)
             await discovery.start()
             targets = await self._start_targets(discovery, env)
             spec_path = self._write_spec(env)
+            secret = {SECRET_ENV: await self._graph_secret(discovery)}  # not in the spec
+            self.startup = StartupOutput(self.target, self.started, self.opts.log_level)
+            self._child_base_env = {**env, **secret,
+                                    DRAIN_GRACE_ENV: str(self.opts.drain_grace),
+                                    "DYNAMO_HOST": self.opts.host,
+                                    serve_part.SERVE_ID_ENV: self.serve_id}
             for cls in self.graph.nodes:
                 name = spec_of(cls).name
-                cfg = self.configs[name]
-                for i in range(cfg.service_args.workers):
-                    child_env = {**os.environ, **env, **cfg.service_args.env,
-                                 **_devices(cfg.service_args.resources, i)}
-                    child = Child(name, i, child_env)
-                    self.children.append(child)
-                    await self._spawn(child, spec_path)
-            if await self._wait_ready(discovery, t0):
-                print(self._ready_banner(await self._records(discovery), time.monotonic() - t0),
-                      flush=True)
-                if targets is not None:
-                    print(f"  prometheus targets: {targets.path} "
-                          f"(bash scripts/prometheus.sh {targets.path})", flush=True)
-                await self._watch_children(spec_path)
+                if name not in self.started:
+                    continue
+                for i in range(self.configs[name].service_args.workers):
+                    await self._start_child(name, i, spec_path)
+            waiting = asyncio.create_task(self.startup.say_waiting(), name="say-waiting")
+            try:
+                ready = await self._wait_ready(discovery, t0)
+            finally:
+                await cancel_and_wait([waiting])
+            if ready:
+                await self.startup.all_said_ready()
+                banner = self._ready_banner(await self._records(discovery),
+                                            time.monotonic() - t0, targets)
+                print(banner, flush=True)
+                scaler = asyncio.create_task(self._follow_scale(discovery, spec_path),
+                                             name="scale-keys")
+                try:
+                    await self._watch_children(spec_path)
+                finally:
+                    await cancel_and_wait([scaler])
             else:
                 self.exit_code = 1
         finally:
             t1 = time.monotonic()
             await self._stop_children()
+            await cancel_and_wait(list(self._retirements))
             if targets is not None:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(targets.close(), 3)
@@ -125,6 +166,8 @@ class Supervisor:
             for svc in reversed(self.services):
                 svc.stop()
             self._tmp.cleanup()
+            if state_path is not None:
+                serve_state.remove_state(state_path)
             log.info("stopped in %.2fs", time.monotonic() - t1)
         return self.exit_code
 
@@ -144,6 +187,19 @@ class Supervisor:
         except Exception as exc:
             log.warning("no Prometheus targets file: %s", exc)
             return None
+
+    async def _graph_secret(self, discovery: Discovery) -> str:
+        """``$DYNAGRAPH_GRAPH_SECRET``, else the namespace's secret in etcd (made by the first
+        ``dynamo serve`` of the namespace): every serve of one graph, on any host, signs and
+        verifies tenant identities with the same key."""
+        given = os.environ.get(SECRET_ENV)
+        if given:
+            return given
+        namespace = min(spec_of(c).namespace for c in self.graph.nodes)
+        stored = await discovery.put_if_absent(f"/{namespace}/graph-secret", new_secret())
+        if not isinstance(stored, str):
+            raise GraphError(f"/{namespace}/graph-secret in etcd is not a string")
+        return stored
 
     def _infra_env(self) -> dict[str, str]:
         return {"ETCD_ENDPOINTS": self._service_url("ETCD_ENDPOINTS", start_etcd),
@@ -172,6 +228,28 @@ class Supervisor:
             json.dump(spec, f)
         return path
 
+    @property
+    def _drain_limit(self) -> float:
+        return self.opts.drain_grace + self.opts.stop_timeout
+
+    async def _start_child(self, name: str, index: int, spec_path: str) -> None:
+        cfg = self.configs[name]
+        child_env = {**os.environ, **self._child_base_env,
+                     **child_log_env(self.opts.log_level, {**os.environ, **cfg.service_args.env}),
+                     **cfg.service_args.env,
+                     **_devices(cfg.service_args.resources, index),
+                     progress.ENV: "1"}
+        child = Child(name, index, child_env)
+        self.children.append(child)
+        await self._spawn(child, spec_path)
+        self._children_changed.set()
+
+    def _render(self, child: Child, line: bytes) -> bytes | None:
+        """What to print for one line of ``child``'s output (None: nothing)."""
+        if self.startup is None or child.output is None:
+            return b"[" + child.label.encode() + b"] " + line
+        return self.startup.render(child.name, child.label, child.output, line)
+
     async def _spawn(self, child: Child, spec_path: str) -> None:
         child.proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "dynagraph.cli.child", "--spec", spec_path,
@@ -180,18 +258,22 @@ class Supervisor:
             env=child.env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT, start_new_session=True,
         )
-        child.pump = asyncio.create_task(_pump(child))
-        log.info("started %s pid=%d", child.label, child.proc.pid)
+        if self.startup is not None:
+            child.output = self.startup.output_filter(child.env)
+            self.startup.started(child.name, child.proc.pid, len(child.restarts))
+        child.pump = asyncio.create_task(_pump(child, self._render))
 
     async def _records(self, discovery: Any) -> dict[str, list[dict[str, Any]]]:
+        """Instance records of the processes *this* serve started (their ``serve_id``), by
+        component (another graph or host may serve the same components in the namespace)."""
         out: dict[str, list[dict[str, Any]]] = {}
         for ns in {spec_of(c).namespace for c in self.graph.nodes}:
             for key, value in (await discovery.get_prefix(f"/{ns}/instances/")).items():
                 out.setdefault(key.split("/")[3], []).append(value)
-        return out
+        return serve_part.own(out, self.serve_id)
 
     async def _wait_ready(self, discovery: Any, t0: float) -> bool:
-        want = {n: c.service_args.workers for n, c in self.configs.items()}
+        want = {n: c.instances for n, c in self.started.items()}
         delay = 0.02
         while not self.stopping.is_set():
             have = {n: len(v) for n, v in (await self._records(discovery)).items()}
@@ -206,42 +288,51 @@ class Supervisor:
                 return False
             if time.monotonic() - t0 > self.opts.ready_timeout:
                 log.error("graph not ready after %.0fs; still missing: %s", self.opts.ready_timeout,
-                          ", ".join(f"{n} ({k} of {want[n]} workers)" for n, k in missing.items()))
+                          ", ".join(f"{n} ({k} of {want[n]} instances)" for n, k in missing.items()))
                 return False
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.stopping.wait(), delay)
             delay = min(delay * 1.5, 0.25)
         return False
 
-    def _ready_banner(self, records: dict[str, list[dict[str, Any]]], secs: float) -> str:
-        lines = [f"dynamo serve: graph {self.target} ready in {secs:.2f}s"]
+    def _ready_banner(self, records: dict[str, list[dict[str, Any]]], secs: float,
+                      targets: GraphTargets | None = None) -> str:
+        part = ("" if len(self.started) == len(self.configs)
+                else f" (here: {', '.join(self.started)}; the rest elsewhere)")
+        lines = [f"dynamo serve: graph {self.target}{part} ready in {secs:.2f}s"]
         for name in self.graph.names():
-            for rec in records.get(name, []):
-                url = rec.get("url")
-                extra = f" url={url}" if url else ""
-                lines.append(f"  {name}[{rec.get('worker_index')}] pid={rec.get('pid')} "
-                             f"rpc={rec.get('address')} metrics={rec.get('metrics')}{extra}")
+            lines.extend(component_lines(name, records.get(name, [])))
+        if targets is not None:
+            lines.append(f"  prometheus targets: {targets.path} "
+                         f"(bash scripts/prometheus.sh {targets.path})")
         http = [r for recs in records.values() for r in recs if r.get("url")]
         if http:
             url, model = http[0]["url"], http[0].get("model", "MODEL")
             lines.append(f"try:\n  curl {url}/v1/models\n  curl {url}/v1/chat/completions "
                          "-H 'Content-Type: application/json' -d '{\"model\": \"" + model + "\", "
                          "\"messages\": [{\"role\": \"user\", \"content\": \"Hello!\"}], "
-                         "\"max_tokens\": 32}'")
+                         "\"max_tokens\": 32}'\n"
+                         "  dynamo status    # components, instances, load, live settings")
         return "\n".join(lines)
 
     async def _watch_children(self, spec_path: str) -> None:
         while not self.stopping.is_set():
-            waits = {asyncio.ensure_future(c.proc.wait()): c for c in self.children if c.proc}
+            self._children_changed.clear()
+            waits = {asyncio.ensure_future(c.proc.wait()): c for c in self.children
+                     if c.proc and not c.retiring}
             stop_wait = asyncio.ensure_future(self.stopping.wait())
-            done, _ = await asyncio.wait([*waits, stop_wait], return_when=asyncio.FIRST_COMPLETED)
-            for fut in [*waits, stop_wait]:
+            changed = asyncio.ensure_future(self._children_changed.wait())
+            done, _ = await asyncio.wait([*waits, stop_wait, changed],
+                                         return_when=asyncio.FIRST_COMPLETED)
+            for fut in [*waits, stop_wait, changed]:
                 if fut not in done:
                     fut.cancel()
             if self.stopping.is_set():
                 return
             for fut in done:
                 child = waits.get(fut)
+                if child is not None and child.retiring:
+                    continue  # scaled down meanwhile: _retire owns it
                 if child is not None and not await self._handle_exit(child, spec_path):
                     return
 
@@ -250,7 +341,9 @@ class Supervisor:
         assert child.proc is not None
         code = child.proc.returncode
         log.error("%s (pid %d) exited with code %s", child.label, child.proc.pid, code)
-        _sweep(child)
+        if self.startup is not None:
+            self.startup.exited(child.name)
+        sweep_group(child)
         now = time.monotonic()
         child.restarts = [t for t in child.restarts if now - t < RESTART_WINDOW]
         if self.opts.restart == "never" or len(child.restarts) >= self.opts.max_restarts:
@@ -287,26 +380,15 @@ class Supervisor:
             if pending:
                 await asyncio.wait(pending, timeout=5)
         for c in self.children:
-            _sweep(c)
+            sweep_group(c)
             if c.pump is not None:
                 with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
                     await asyncio.wait_for(c.pump, 2)
 
 
-def _sweep(child: Child) -> None:
-    """SIGKILL whatever is left in the child's process group (e.g. an engine core that
-    outlived a killed worker). Each child leads its own group (start_new_session)."""
-    if child.proc is None:
-        return
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(child.proc.pid, signal.SIGKILL)
-        log.warning("%s left processes behind; killed its process group", child.label)
-
-
-async def _pump(child: Child) -> None:
-    """Echo the child's output line by line with its label."""
+async def _pump(child: Child, render: Callable[[Child, bytes], bytes | None]) -> None:
+    """Echo the child's output line by line, as ``render`` shows it."""
     assert child.proc is not None and child.proc.stdout is not None
-    prefix = f"[{child.label}] ".encode()
     out = sys.stdout.buffer
     echo = True
     while True:
@@ -315,8 +397,11 @@ async def _pump(child: Child) -> None:
             return
         if not echo:
             continue  # keep draining so the child never blocks on a full pipe
+        shown = render(child, line if line.endswith(b"\n") else line + b"\n")
+        if shown is None:
+            continue
         try:
-            out.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
+            out.write(shown)
             out.flush()
         except (BrokenPipeError, ValueError, OSError):
             echo = False  # whoever read our output is gone; the graph keeps running

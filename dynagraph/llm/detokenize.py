@@ -87,12 +87,16 @@ class StopStringMatcher:
 
     :meth:`feed` returns the text that is safe to emit. Text that might be the start of a
     stop string is held until the next chunk disambiguates it; on a match, the text
-    before the stop string is returned and the stop string itself is dropped.
+    before the stop string is returned and the stop string itself is dropped. With
+    ``include`` (``include_stop_str_in_output``) nothing is held back and the text up to
+    the end of the stop string is returned.
     """
 
-    def __init__(self, stops: Sequence[str]) -> None:
+    def __init__(self, stops: Sequence[str], *, include: bool = False) -> None:
         if any(not s for s in stops):
             raise ValueError("stop strings must not be empty")
+        self._include = include
+        self._tail = ""
         self._stops = tuple(stops)
         self._prefixes = frozenset(s[:i] for s in self._stops for i in range(1, len(s)))
         self._max_hold = max((len(s) - 1 for s in self._stops), default=0)
@@ -107,6 +111,8 @@ class StopStringMatcher:
     def feed(self, text: str) -> tuple[str, bool]:
         """Add ``text``; return ``(safe_text, matched)``. Feeding after a match is an error."""
         assert self.matched is None, "feed() after a stop string matched"
+        if self._include:
+            return self._feed_including(text)
         buf = self._held + text
         best_at = -1
         for stop in self._stops:
@@ -122,6 +128,18 @@ class StopStringMatcher:
         cut = len(buf) - keep
         self._held = buf[cut:]
         return buf[:cut], False
+
+    def _feed_including(self, text: str) -> tuple[str, bool]:
+        buf = self._tail + text
+        best_end = -1
+        for stop in self._stops:
+            at = buf.find(stop)
+            if at != -1 and (best_end == -1 or at + len(stop) < best_end):
+                best_end, self.matched = at + len(stop), stop
+        if best_end != -1:
+            return buf[len(self._tail):best_end], True
+        self._tail = buf[len(buf) - min(len(buf), self._max_hold):]
+        return text, False
 
     def flush(self) -> str:
         """Release held text (the sequence ended without completing a stop string)."""
@@ -145,14 +163,16 @@ class ResponseDetokenizer:
     Pure and synchronous; raises :class:`EngineError` for an engine-side failure.
     """
 
-    def __init__(self, tokenizer: Tokenizer, request: PreprocessedRequest) -> None:
+    def __init__(self, tokenizer: Tokenizer, request: PreprocessedRequest, *,
+                 include_stop_str: bool = False) -> None:
         self._detok = IncrementalDetokenizer(
             tokenizer.backend,
             prompt_token_ids=request.token_ids,
             skip_special_tokens=request.skip_special_tokens,
             request_id=request.request_id,
         )
-        self._stops = StopStringMatcher(request.stop) if request.stop else None
+        self._stops = (StopStringMatcher(request.stop, include=include_stop_str)
+                       if request.stop else None)
         self._max_tokens = request.sampling.max_tokens
         self.prompt_tokens = len(request.token_ids)
         self.cached_tokens: int | None = None

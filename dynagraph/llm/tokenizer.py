@@ -85,30 +85,49 @@ class Tokenizer:
         return len(self.encode(text, add_special_tokens=False))
 
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_template: str | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
         """Render ``messages`` (dicts with ``role`` and ``content``) into the prompt text.
 
-        The template is expected to emit BOS itself, so encode the result with
-        ``add_special_tokens=False`` (:meth:`encode_chat` does).
+        ``tools`` (OpenAI tool dicts) and ``template_kwargs`` are passed to the template;
+        ``chat_template`` replaces the model's own. The template is expected to emit BOS
+        itself, so encode the result with ``add_special_tokens=False`` (:meth:`encode_chat`
+        does).
         """
-        if not self.has_chat_template:
+        if chat_template is None and not self.has_chat_template:
             raise InvalidRequest(
                 "this model has no chat template; use /v1/completions with a plain prompt",
                 param="messages",
             )
         from jinja2 import TemplateError
 
+        kwargs = dict(template_kwargs or {})
+        for reserved in ("tokenize", "add_generation_prompt", "continue_final_message",
+                         "tools", "chat_template", "conversation"):
+            kwargs.pop(reserved, None)
         try:
             text = self.hf.apply_chat_template(
                 [dict(m) for m in messages],
+                tools=[dict(t) for t in tools] if tools else None,
+                chat_template=chat_template,
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                **kwargs,
             )
         except TemplateError as exc:  # e.g. raise_exception() for an unsupported role order
             raise InvalidRequest(
                 f"the chat template rejected the messages: {exc}", param="messages"
             ) from exc
+        except ValueError as exc:  # e.g. continue_final_message without a final message
+            raise InvalidRequest(str(exc), param="messages") from exc
         assert isinstance(text, str)
         return text
 

@@ -8,7 +8,7 @@ the same number. ``name`` is the family name as Prometheus stores it (with
 ``_total`` for counters; histograms also have ``_bucket``, ``_sum``, ``_count``).
 
 ``component`` is the process that exports the metric. ``graph`` is the first graph
-in which that process exports it (``agg``, ``agg_router``, ``disagg``); the
+in which that process exports it (``agg``, ``agg_router``, ``disagg``, ``agg_afd``); the
 dashboard test only requires data from a panel whose graph is being tested.
 """
 
@@ -67,6 +67,7 @@ PROCESSOR = "Processor"
 ROUTER = "Router"
 WORKER = "VllmWorker"
 PREFILL = "PrefillWorker"
+FFN = "FfnWorker"
 
 CATALOG: tuple[MetricSpec, ...] = (
     # Frontend (dynagraph/observability/frontend_metrics.py): Dynamo's dynamo_frontend_* names.
@@ -87,6 +88,11 @@ CATALOG: tuple[MetricSpec, ...] = (
        ("model",), FRONTEND, buckets=TOKEN_BUCKETS),
     _m("dynamo_frontend_output_sequence_tokens", "histogram", "Generated length in tokens",
        ("model",), FRONTEND, buckets=TOKEN_BUCKETS),
+    _m("dynamo_frontend_tenant_requests_total", "counter",
+       "Requests per tenant (with a tenants file) and status", ("tenant", "status"), FRONTEND),
+    _m("dynamo_frontend_tenant_tokens_total", "counter",
+       "Tokens per tenant: prompt, completion, and prompt tokens served from the prefix cache",
+       ("tenant", "kind"), FRONTEND),
     _m("dynamo_frontend_client_disconnects_total", "counter",
        "Requests whose client disconnected before the response was complete",
        ("model",), FRONTEND),
@@ -98,6 +104,15 @@ CATALOG: tuple[MetricSpec, ...] = (
        "Time to apply the chat template and tokenize one request", (), PROCESSOR),
     _m("dynamo_processor_detokenize_seconds", "histogram",
        "Time spent detokenizing one request's output, summed over its chunks", (), PROCESSOR),
+    _m("dynamo_processor_migrations_total", "counter",
+       "Requests moved to another worker after theirs failed (reason: the failure's type)",
+       ("reason",), PROCESSOR),
+    _m("dynamo_processor_slo_delayed_seconds", "histogram",
+       "How long SLO-aware admission held a deferrable request before sending it on",
+       ("slo_class",), PROCESSOR, "agg_router", buckets=QUEUE_WAIT_BUCKETS),
+    _m("dynamo_processor_slo_shed_total", "counter",
+       "Requests SLO-aware admission refused (HTTP 429) under pressure", ("slo_class",),
+       PROCESSOR, "agg_router"),
     # Decode worker load (dynagraph/observability/worker_metrics.py), vLLM's meanings.
     _m("dynamo_worker_requests_running", "gauge", "Requests being processed by the engine.",
        ("worker",), WORKER),
@@ -127,6 +142,12 @@ CATALOG: tuple[MetricSpec, ...] = (
        ("worker",), ROUTER, "agg_router"),
     _m("dynamo_router_kv_event_batches_total", "counter", "KV event batches applied",
        ("worker",), ROUTER, "agg_router"),
+    _m("dynamo_router_predicted_ttft_seconds", "histogram",
+       "Time to first token the cost model predicted on the chosen worker (time cost model)",
+       (), ROUTER, "agg_router", TTFT_BUCKETS),
+    _m("dynamo_router_worker_prefill_tokens_per_second", "gauge",
+       "Prefill speed the Router learned for a worker (prompt tokens per engine second)",
+       ("worker",), ROUTER, "agg_router"),
     # Disaggregation, decode side (dynagraph/observability/disagg_metrics.py).
     _m("dynamo_worker_prefill_requests_total", "counter",
        "Prefills by where they ran (local, remote, fallback = wanted remote, ran local) "
@@ -150,6 +171,32 @@ CATALOG: tuple[MetricSpec, ...] = (
        "Time from enqueue to a prefill worker pulling the job", (), PREFILL, "disagg"),
     _m("dynamo_prefill_queue_redeliveries_total", "counter",
        "Prefill jobs pulled again after a worker failed to ack them", (), PREFILL, "disagg"),
+    # VllmWorker with an FfnWorker linked (dynagraph/observability/afd_metrics.py).
+    _m("dynamo_worker_afd_forwards_total", "counter",
+       "Forward passes whose FFNs ran on FfnWorkers", ("worker",), WORKER, "agg_afd"),
+    _m("dynamo_worker_afd_microbatched_forwards_total", "counter",
+       "Forward passes split into two micro-batches (attention/FFN ping-pong)",
+       ("worker",), WORKER, "agg_afd"),
+    _m("dynamo_worker_afd_layer_calls_total", "counter",
+       "Layer FFN calls sent to FfnWorkers (per micro-batch)", ("worker",), WORKER, "agg_afd"),
+    _m("dynamo_worker_afd_failovers_total", "counter",
+       "FfnWorker failures that sent calls to another worker", ("worker",), WORKER, "agg_afd"),
+    _m("dynamo_worker_afd_exchange_wait_seconds_total", "counter",
+       "Time the engine waited for FFN results", ("worker",), WORKER, "agg_afd"),
+    _m("dynamo_worker_afd_ffn_compute_seconds_total", "counter",
+       "FFN compute time reported by the FfnWorkers for this engine's calls",
+       ("worker",), WORKER, "agg_afd"),
+    # FfnWorker (dynagraph/observability/afd_metrics.py): attention-FFN disaggregation.
+    _m("dynamo_ffn_calls_total", "counter", "Layer FFN calls computed for engines",
+       ("worker",), FFN, "agg_afd"),
+    _m("dynamo_ffn_rows_total", "counter", "Hidden-state rows (tokens) computed",
+       ("worker",), FFN, "agg_afd"),
+    _m("dynamo_ffn_compute_seconds_total", "counter", "Time spent computing layer FFNs",
+       ("worker",), FFN, "agg_afd"),
+    _m("dynamo_ffn_errors_total", "counter", "Layer FFN calls that failed",
+       ("worker",), FFN, "agg_afd"),
+    _m("dynamo_ffn_connections", "gauge", "Engine connections open now",
+       ("worker",), FFN, "agg_afd"),
 )
 
 INFRA_METRICS: dict[str, str] = {

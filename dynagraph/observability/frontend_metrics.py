@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
 
+from dynagraph.llm.protocol import TextChunk
 from dynagraph.observability.metrics import counter, gauge, histogram
 
 # Label values of dynamo_frontend_requests_total.
@@ -17,6 +18,7 @@ class FrontendMetrics:
 
     def __init__(self, registry: CollectorRegistry, model: str) -> None:
         self.model = model
+        self.registry = registry
         self.requests = counter("dynamo_frontend_requests_total", registry)
         self.inflight = gauge("dynamo_frontend_inflight_requests", registry).labels(model)
         self.ttft = histogram("dynamo_frontend_time_to_first_token_seconds",
@@ -37,3 +39,22 @@ class FrontendMetrics:
         self.requests.labels(
             self.model, ENDPOINT_LABELS.get(endpoint, endpoint), request_type, status
         ).inc()
+
+
+class TenantMetrics:
+    """Per-tenant requests and tokens (only with a tenants file; the label is the tenant's
+    name, never its key)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = counter("dynamo_frontend_tenant_requests_total", registry)
+        self.tokens = counter("dynamo_frontend_tenant_tokens_total", registry)
+
+    def request(self, tenant: str, status: str) -> None:
+        self.requests.labels(tenant, status).inc()
+
+    def finished(self, tenant: str, status: str, last: TextChunk | None) -> None:
+        self.request(tenant, status)
+        if last is not None:
+            self.tokens.labels(tenant, "prompt").inc(last.prompt_tokens)
+            self.tokens.labels(tenant, "completion").inc(last.completion_tokens)
+            self.tokens.labels(tenant, "cached").inc(last.cached_tokens or 0)

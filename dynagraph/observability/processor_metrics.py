@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 from prometheus_client import REGISTRY, CollectorRegistry
 
-from dynagraph.observability.metrics import histogram
+from dynagraph.observability.metrics import counter, histogram
 
 T = TypeVar("T")
 
@@ -36,7 +36,22 @@ class ProcessorMetrics:
         self.queue = histogram("dynamo_processor_queue_seconds", registry)
         self.tokenize = histogram("dynamo_processor_tokenize_seconds", registry)
         self.detokenize = histogram("dynamo_processor_detokenize_seconds", registry)
+        self.migrations = counter("dynamo_processor_migrations_total", registry)
+        self.delayed = histogram("dynamo_processor_slo_delayed_seconds", registry)
+        self.shed = counter("dynamo_processor_slo_shed_total", registry)
         self.clock = clock
+
+    def migrated(self, worker: int | None, failure: Exception) -> None:
+        """A request moved on from a failed worker (``migrating``'s ``on_migrate``)."""
+        self.migrations.labels(type(failure).__name__).inc()
+
+    def slo_delayed(self, slo_class: str, seconds: float) -> None:
+        """SLO-aware admission let a request through after holding it ``seconds``."""
+        self.delayed.labels(slo_class).observe(seconds)
+
+    def slo_shed(self, slo_class: str) -> None:
+        """SLO-aware admission refused a request."""
+        self.shed.labels(slo_class).inc()
 
     def request(self) -> RequestTimer:
         """Start timing one request (call when it arrives)."""

@@ -1,4 +1,5 @@
-"""Router metrics: decisions, prefix overlap, decision latency, index size, KV event batches.
+"""Router metrics: decisions, prefix overlap, decision latency, index size, KV event batches,
+predicted TTFT and learned prefill speeds.
 
 The Router component builds one set from its runtime's registry::
 
@@ -7,6 +8,7 @@ The Router component builds one set from its runtime's registry::
                           overlap_blocks=k, seconds=t)
     self.metrics.kv_event_batch(f"{wid:x}")
     self.metrics.index_blocks(f"{wid:x}", blocks)
+    self.metrics.prefill_tokens_per_second(f"{wid:x}", tokens_per_s)
     self.metrics.forget_worker(f"{wid:x}")
 """
 
@@ -25,14 +27,22 @@ class RouterMetrics:
         self.decision_seconds = histogram("dynamo_router_decision_seconds", registry)
         self.index = gauge("dynamo_router_index_blocks", registry)
         self.batches = counter("dynamo_router_kv_event_batches_total", registry)
+        self.predicted_ttft = histogram("dynamo_router_predicted_ttft_seconds", registry)
+        self.prefill_speed = gauge("dynamo_router_worker_prefill_tokens_per_second", registry)
 
     def decision(self, *, mode: str, worker: str, request_blocks: int, overlap_blocks: int,
-                 seconds: float) -> None:
-        """Record one routing decision for a prompt of ``request_blocks`` full blocks."""
+                 seconds: float, predicted_ttft: float | None = None) -> None:
+        """Record one routing decision for a prompt of ``request_blocks`` full blocks
+        (``predicted_ttft``: the time cost model's forecast for the chosen worker)."""
         self.decisions.labels(worker, mode).inc()
         self.request_blocks.labels(worker).inc(request_blocks)
         self.overlap_blocks.labels(worker).inc(overlap_blocks)
         self.decision_seconds.observe(seconds)
+        if predicted_ttft is not None:
+            self.predicted_ttft.observe(predicted_ttft)
+
+    def prefill_tokens_per_second(self, worker: str, value: float) -> None:
+        self.prefill_speed.labels(worker).set(value)
 
     def kv_event_batch(self, worker: str, count: int = 1) -> None:
         self.batches.labels(worker).inc(count)
@@ -42,7 +52,8 @@ class RouterMetrics:
 
     def forget_worker(self, worker: str) -> None:
         """Drop a departed worker's index gauge (its counters keep their history)."""
-        try:
-            self.index.remove(worker)
-        except KeyError:
-            pass
+        for family in (self.index, self.prefill_speed):
+            try:
+                family.remove(worker)
+            except KeyError:
+                pass

@@ -40,11 +40,9 @@ def free_port(host: str = "127.0.0.1", rng: random.Random | None = None,
     """A TCP port free on ``host`` now and outside the kernel's ephemeral range, for
     binaries that cannot bind port 0 and bind it themselves a little later.
 
-    A port from the ephemeral range (what ``bind(0)`` hands out) can meanwhile become the
-    local end of some outgoing connection. (Seen with vLLM's NIXL side channel, which is
-    bound only once the engine has loaded: vLLM's listener failed to bind and its engine
-    waited for that listener forever.) Ports below the ephemeral range are only ever taken
-    by an explicit ``bind``.
+    Why not ``bind(0)``: an ephemeral port can become the local end of an outgoing
+    connection before its owner binds it (vLLM binds its NIXL side channel only after
+    loading the model, seconds later); ports below that range are only taken by ``bind``.
     """
     lo, hi = _non_ephemeral_range()
     rng = rng or random.Random()

@@ -11,16 +11,25 @@ the same event loop needs no lock.
     live = LiveSettings(config, prefix=runtime.settings_prefix(), live=["mode"])
     task = asyncio.create_task(live.follow(runtime.discovery.watch_prefix(live.prefix)))
     live.current.mode
+
+A component declares its live settings once, as a `LiveSpec` class attribute
+``LIVE_SETTINGS`` (read by `live_spec_of`); it binds the spec to its config at run time
+(``self.LIVE_SETTINGS.bind(config, prefix)``) and ``dynamo settings`` validates what it
+writes with the same spec (`LiveSpec.parse`), so the two cannot disagree.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import typing
 from collections.abc import AsyncIterable, Iterable
-from typing import Any, Generic, TypeVar
+from dataclasses import dataclass
+from typing import Annotated, Any, Generic, TypeVar
 
-from pydantic import BaseModel, ValidationError
+import annotated_types
+from pydantic import BaseModel, TypeAdapter, ValidationError
+from pydantic.fields import FieldInfo
 
 from dynagraph.config import kebab
 
@@ -99,6 +108,108 @@ class LiveSettings(Generic[M]):
 
     def _annotation(self, field: str) -> Any:
         return type(self.base).model_fields[field].annotation
+
+
+class SettingError(ValueError):
+    """A live setting that does not exist, or a value it does not accept."""
+
+
+@dataclass(frozen=True)
+class LiveSpec(Generic[M]):
+    """The live settings of a component: fields ``names`` (kebab-case) of config ``model``.
+
+    Declared once per component class as ``LIVE_SETTINGS``; `bind` gives the running
+    component its `LiveSettings`, `parse` validates a value for ``dynamo settings``.
+    """
+
+    model: type[M]
+    names: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "names", tuple(kebab(n) for n in self.names))
+        unknown = [n for n in self.names if _snake(n) not in self.model.model_fields]
+        if unknown:
+            raise ValueError(f"{self.model.__name__} has no field(s) {unknown}")
+
+    def bind(self, base: M, prefix: str) -> LiveSettings[M]:
+        """The live view of ``base`` (a config of this spec's model) under ``prefix``."""
+        if not isinstance(base, self.model):
+            raise TypeError(f"expected a {self.model.__name__}, got {type(base).__name__}")
+        return LiveSettings(base, prefix=prefix, live=self.names)
+
+    def check_name(self, name: str) -> str:
+        """``name`` in kebab-case if it is one of these settings, else SettingError."""
+        key = kebab(name)
+        if key not in self.names:
+            raise SettingError(f"{key!r} is not a live setting; live settings: "
+                               f"{', '.join(self.names)}")
+        return key
+
+    def default(self, name: str) -> Any:
+        """The model's default for ``name`` (what applies when neither etcd nor the
+        config file sets it)."""
+        return self.model.model_fields[_snake(self.check_name(name))].get_default(
+            call_default_factory=True)
+
+    def parse(self, name: str, value: Any) -> Any:
+        """``value`` (a command-line string, or a decoded etcd value) validated as the
+        running component validates it; SettingError naming the allowed values if not."""
+        info = self.model.model_fields[_snake(self.check_name(name))]
+        try:
+            plain = _plain(value, info.annotation)
+            return _adapter(info).validate_python(plain)
+        except (ValueError, ValidationError) as e:
+            raise SettingError(f"{value!r} is not allowed: expected {self.describe(name)}"
+                               ) from e
+
+    def to_json(self, name: str, value: Any) -> Any:
+        """A validated value as JSON (what goes into etcd): enums as their values."""
+        info = self.model.model_fields[_snake(self.check_name(name))]
+        return _adapter(info).dump_python(value, mode="json")
+
+    def describe(self, name: str) -> str:
+        """The values ``name`` accepts, in words: ``one of kv, kv-load`` or
+        ``a number >= 0``."""
+        info = self.model.model_fields[_snake(self.check_name(name))]
+        return describe_annotation(info.annotation, info.metadata)
+
+
+def describe_annotation(annotation: Any, metadata: Iterable[Any] = ()) -> str:
+    """Words for the values of a field: its choices, or its type and bounds."""
+    args = typing.get_args(annotation)
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        return "one of " + ", ".join(str(m.value) for m in annotation)
+    if typing.get_origin(annotation) is typing.Literal:
+        return "one of " + ", ".join(str(a) for a in args)
+    if annotation is bool:
+        return "true or false"
+    words = {int: "an integer", float: "a number", str: "a string"}
+    kinds = [words[a] for a in (args or (annotation,)) if a in words]
+    what = " or ".join(kinds) or getattr(annotation, "__name__", str(annotation))
+    bounds = []
+    for m in metadata:
+        for attr, op in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
+            if isinstance(m, getattr(annotated_types, attr.capitalize())):
+                bounds.append(f"{op} {getattr(m, attr):g}")
+    return " ".join([what, *bounds])
+
+
+def live_spec_of(cls: type) -> LiveSpec[Any] | None:
+    """The `LiveSpec` a component class declares as ``LIVE_SETTINGS``, if any."""
+    spec = getattr(cls, "LIVE_SETTINGS", None)
+    return spec if isinstance(spec, LiveSpec) else None
+
+
+def _adapter(info: FieldInfo) -> TypeAdapter[Any]:
+    """Validates one field alone, constraints included."""
+    form: Any = info.annotation
+    if info.metadata:  # built at run time, so mypy cannot check it
+        form = Annotated[(form, *info.metadata)]
+    return TypeAdapter(form)
+
+
+def _snake(name: str) -> str:
+    return name.replace("-", "_")
 
 
 def _plain(value: Any, annotation: Any) -> Any:

@@ -169,9 +169,15 @@ async def failover(
 
 
 class ComponentClient:
-    """The handle a ``depends(Target)`` attribute becomes: one EndpointClient per endpoint."""
+    """The handle a ``depends(Target)`` attribute becomes: one EndpointClient per endpoint.
 
-    def __init__(self, component: str, endpoints: dict[str, EndpointClient]) -> None:
+    ``namespace`` / ``component`` name the component it reaches, which is the one the
+    graph links (a stand-in for ``Target`` is reached under its own name).
+    """
+
+    def __init__(self, component: str, endpoints: dict[str, EndpointClient], *,
+                 namespace: str = "dynamo") -> None:
+        self.namespace = namespace
         self.component = component
         self._endpoints = endpoints
 
@@ -232,7 +238,8 @@ class ClientFactory:
     async def component(self, namespace: str, component: str,
                         endpoints: list[str]) -> ComponentClient:
         return ComponentClient(component, {
-            name: await self.endpoint(namespace, component, name) for name in endpoints})
+            name: await self.endpoint(namespace, component, name) for name in endpoints},
+            namespace=namespace)
 
     async def close(self) -> None:
         watches, self._watches = self._watches, []

@@ -52,6 +52,33 @@ class ComponentConfig:
     name: str
     service_args: ServiceArgs
     values: dict[str, Any] = field(default_factory=dict)  # validated, JSON-able, by field name
+    instances_per_process: int = 1
+    """Instances each worker process runs (see :func:`instances_per_process`)."""
+
+    @property
+    def instances(self) -> int:
+        """Instances of the component in all: workers x instances per process."""
+        return self.service_args.workers * self.instances_per_process
+
+
+def instances_per_process(cls: type, values: dict[str, Any]) -> int:
+    """How many instances of ``cls`` one worker process runs: 1, unless the component
+    names a key of its config for it (``@service(instances_key="engines-per-process")``)
+    and ``values`` (its resolved config) sets that key.
+
+    Each instance is registered on its own (own lease, instance id, request-plane
+    server), as if it were a process of its own. Opt-in per component, because a
+    component must be written to share a process (no process-wide state such as
+    environment variables or a fixed port).
+    """
+    key = spec_of(cls).instances_key
+    if key is None:
+        return 1
+    n = values.get(key, 1)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ConfigError(f"must be a whole number >= 1, got {n!r}", component=spec_of(cls).name,
+                          key=key)
+    return n
 
 
 def parse_overrides(args: list[str]) -> dict[str, dict[str, Any]]:
@@ -101,6 +128,7 @@ def resolve_config(
     common = data.get(COMMON) or {}
     if not isinstance(common, dict):
         raise ConfigError("must be a mapping", file=file, component=COMMON)
+    common = {**common, **extra.get(COMMON, {})}  # --Common.key=value reaches every user
     for comp in [*data, *extra]:
         if comp != COMMON and comp not in names:
             raise ConfigError(
@@ -124,7 +152,8 @@ def resolve_config(
         sargs = _validate(ServiceArgs, {"workers": spec.workers, "resources": spec.resources, **sargs_raw},
                           file, spec.name, prefix=f"{SERVICE_ARGS}.")
         values = _component_values(spec.config_type, merged, file, spec.name)
-        out[spec.name] = ComponentConfig(spec.name, sargs, values)
+        out[spec.name] = ComponentConfig(spec.name, sargs, values,
+                                         instances_per_process(cls, values))
     return out
 
 

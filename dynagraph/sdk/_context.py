@@ -99,3 +99,9 @@ class RuntimeContext:
 def process_key(namespace: str, component: str, instance_id: int) -> str:
     """Key of the per-process record used for readiness and metrics discovery."""
     return f"/{namespace}/instances/{component}/{instance_id:x}"
+
+
+def starting_key(namespace: str, component: str, instance_id: int) -> str:
+    """Key of a process that is starting (lease-bound, deleted once it is registered):
+    ``{"pid", "host", "worker_index", "started_at"}``, for ``dynamo status``."""
+    return f"/{namespace}/starting/{component}/{instance_id:x}"

@@ -1,7 +1,9 @@
 """A graph of components is an immutable value built with ``A.link(B).link(C)``.
 
 The node set is every class in the chain; a ``depends()`` edge survives only if its
-target is in that set, so one set of component classes serves several graphs.
+target is in that set, or a node that stands in for the target is (``@service(
+stands_in_for=...)``: a MockerWorker takes the Processor's and Router's edges to
+VllmWorker), so one set of component classes serves several graphs.
 """
 
 from __future__ import annotations
@@ -66,19 +68,36 @@ class Graph:
 
     def edges(self, cls: type) -> dict[str, type | None]:
         """``cls``'s dependencies: attribute -> class, or None where pruned."""
-        return {
-            attr: (target if target in self.nodes else None)
-            for attr, target in spec_of(cls).dependencies.items()
-        }
+        return {attr: self.resolve(target) for attr, target in spec_of(cls).dependencies.items()}
+
+    def resolve(self, target: type) -> type | None:
+        """The node a ``depends(target)`` edge reaches: ``target`` itself when linked, else
+        the one node standing in for it, else None (pruned)."""
+        if target in self.nodes:
+            return target
+        subs = [c for c in self.nodes if target in spec_of(c).stands_in_for]
+        if len(subs) > 1:
+            raise GraphError(f"{', '.join(c.__name__ for c in subs)} all stand in for "
+                             f"{target.__name__}; link only one")
+        return subs[0] if subs else None
 
     def validate(self) -> None:
-        """Every node must be reachable from the root through kept edges."""
+        """Every node must be reachable from the root (or a controller) through kept
+        edges; a node standing in for another must have all of its endpoints."""
         names = [spec_of(c).name for c in self.nodes]
         dupes = {n for n in names if names.count(n) > 1}
         if dupes:
             raise GraphError(f"two components share the name(s) {sorted(dupes)}")
-        reached = {self.root}
-        frontier = [self.root]
+        for cls in self.nodes:
+            spec = spec_of(cls)
+            have = {e.name for e in spec.endpoints}
+            for other in spec.stands_in_for:
+                lacking = sorted({e.name for e in spec_of(other).endpoints} - have)
+                if lacking:
+                    raise GraphError(f"{spec.name} stands in for {spec_of(other).name} but "
+                                     f"lacks its endpoint(s) {', '.join(lacking)}")
+        reached = {self.root, *(c for c in self.nodes if spec_of(c).controller)}
+        frontier = list(reached)
         while frontier:
             cls = frontier.pop()
             for target in self.edges(cls).values():

@@ -39,6 +39,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 _SPEC_ATTR = "__dynagraph_service__"
 _ENDPOINT_ATTR = "__dynagraph_endpoint__"
+_DRAIN_ATTR = "__dynagraph_drain__"
 _HOOK_ATTR = "__dynagraph_hook__"
 
 
@@ -49,6 +50,9 @@ class EndpointSpec:
     name: str
     method_name: str
     request_type: type | None  # a pydantic model or msgspec Struct; None: raw payload
+    drain: bool = True
+    """False for a subscription (a stream that only ends when its caller leaves): on
+    shutdown it is cancelled at once instead of being waited for."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,12 @@ class ServiceSpec:
     config_type: type[BaseModel] | None
     on_start: tuple[str, ...] = field(default=())
     on_shutdown: tuple[str, ...] = field(default=())
+    stands_in_for: tuple[type, ...] = field(default=())
+    """Components this one can replace in a graph (see ``service(stands_in_for=...)``)."""
+    instances_key: str | None = None
+    """A key of this component's config that sets ``ServiceArgs.instances-per-process``."""
+    controller: bool = False
+    """Runs beside the graph, not reached through ``depends()`` (a Planner)."""
 
 
 class Dependency:
@@ -89,17 +99,20 @@ def depends(target: type) -> Any:
     return Dependency(target)
 
 
-def endpoint(name: str | None = None) -> Callable[[F], F]:
+def endpoint(name: str | None = None, *, drain: bool = True) -> Callable[[F], F]:
     """Expose an async-generator method ``(self, request) -> AsyncIterator[...]``.
 
     If ``request`` is annotated with a pydantic model or a msgspec Struct, incoming
     payloads are validated into it (a failure reaches the caller as ``InvalidRequest``).
+    ``drain=False`` marks a subscription (an endless stream such as KV events): shutdown
+    cancels it at once instead of waiting for it like a request in flight.
     """
 
     def wrap(fn: F) -> F:
         if not inspect.isasyncgenfunction(fn):
             raise GraphError(f"@endpoint {fn.__qualname__} must be an async generator (async def + yield)")
         setattr(fn, _ENDPOINT_ATTR, name or fn.__name__)
+        setattr(fn, _DRAIN_ATTR, drain)
         return fn
 
     return wrap
@@ -123,8 +136,25 @@ def service(
     resources: dict[str, Any] | None = None,
     workers: int = 1,
     name: str | None = None,
+    stands_in_for: type | tuple[type, ...] = (),
+    instances_key: str | None = None,
+    controller: bool = False,
 ) -> Callable[[T], T]:
-    """Mark a class as a component. ``dynamo={"namespace": ...}`` sets its namespace."""
+    """Mark a class as a component. ``dynamo={"namespace": ...}`` sets its namespace.
+
+    ``stands_in_for=Other``: linked into a graph that does not link ``Other``, this
+    component receives every ``depends(Other)`` edge (``Frontend.link(Processor)
+    .link(MockerWorker)`` gives the Processor's ``depends(VllmWorker)`` a client of
+    MockerWorker). It must have every endpoint ``Other`` has (``Graph.validate``).
+
+    ``instances_key="engines-per-process"``: that key of the component's config sets
+    ``ServiceArgs.instances-per-process`` (how many instances, each registered on its
+    own, one process runs); the user-facing name of a generic SDK setting.
+
+    ``controller=True``: a component that watches or steers the graph (the Planner) and
+    that nothing depends on; linked, it need not be reachable from the entry point.
+    """
+    stand_ins = stands_in_for if isinstance(stands_in_for, tuple) else (stands_in_for,)
 
     def wrap(cls: T) -> T:
         namespace = (dynamo or {}).get("namespace", "dynamo")
@@ -139,8 +169,14 @@ def service(
             config_type=None,
             on_start=tuple(_hooks(cls, "start")),
             on_shutdown=tuple(_hooks(cls, "shutdown")),
+            stands_in_for=stand_ins,
+            instances_key=instances_key,
+            controller=controller,
         )
         param, cfg_type = _config_param(cls)
+        if instances_key is not None and instances_key not in _config_keys(cfg_type):
+            raise GraphError(f"{cls.__name__}: instances_key {instances_key!r} is not a key of "
+                             "its config")
         spec = ServiceSpec(**{**spec.__dict__, "config_param": param, "config_type": cfg_type})
         setattr(cls, _SPEC_ATTR, spec)
         # setattr: the class is only known as a type variable here (mypy: "T has no link").
@@ -237,7 +273,8 @@ def _endpoints(cls: type) -> list[EndpointSpec]:
         if ep_name in seen:
             raise GraphError(f"{cls.__name__}: two endpoints named {ep_name!r}")
         seen.add(ep_name)
-        out.append(EndpointSpec(ep_name, attr, _request_type(cls, fn)))
+        out.append(EndpointSpec(ep_name, attr, _request_type(cls, fn),
+                                drain=getattr(fn, _DRAIN_ATTR, True)))
     return out
 
 
@@ -288,6 +325,13 @@ def _config_param(cls: type) -> tuple[str | None, type[BaseModel] | None]:
         if isinstance(ann, type) and issubclass(ann, BaseModel):
             return p.name, ann
     return None, None
+
+
+def _config_keys(cfg_type: type[BaseModel] | None) -> set[str]:
+    """How the config's fields are spelled in YAML (their aliases, else their names)."""
+    if cfg_type is None:
+        return set()
+    return {f.alias or name for name, f in cfg_type.model_fields.items()}
 
 
 def _hints(fn: Callable[..., Any]) -> dict[str, Any]:

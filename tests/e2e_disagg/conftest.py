@@ -1,4 +1,5 @@
-"""One real disagg graph (`dynamo serve graphs.disagg:Frontend`) shared by the ``nixl`` tests.
+"""One real disagg graph (`dynamo serve graphs.disagg:Frontend`, two prefill workers)
+shared by the ``nixl`` tests.
 
 The graph gets its own etcd and NATS (package scope) so it never shares the ``dynamo``
 namespace with another graph of the same test session. Before it starts, an agg graph
@@ -19,16 +20,17 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dynagraph.runtime.infra import LocalService, start_etcd, start_nats
-from tests.support.serve import REPO, ServeProcess
-from tools.model_builder import ensure_model
+from dynagraph.runtime.infra import LocalService
+from tests.support.infra import own_infra
+from tests.support.metrics import scrape
+from tests.support.serve import ServeProcess, graph_env, served
 
-MODEL_DIR = REPO / "models" / "tiny-llama"
 MODEL = "tiny-llama"
 THRESHOLD = 256
 """max-local-prefill-length of the test graph (tokens)."""
-REMOTE_TIMEOUT = 8.0
-ACK_WAIT = 4.0
+REMOTE_TIMEOUT = 10.0
+ACK_WAIT = 3.0
+"""The shipped config's values: a dead prefill worker's job is redelivered in time."""
 MAX_TOKENS = 16
 WORDS = [f"{a}{b}" for a in ("ka", "lo", "mi", "su", "te", "ra", "no", "vi") for b in
          ("n", "sh", "p", "t", "r", "m", "l", "x")]
@@ -69,52 +71,22 @@ def text_of(body: dict[str, object]) -> str:
     return str(choices[0]["text"])
 
 
-def serve_env(etcd: str, nats: str) -> dict[str, str]:
-    """As served: the test environment's VLLM_ENABLE_V1_MULTIPROCESSING is not passed on,
-    so the components choose (``nixl_side`` picks vLLM's single-process executor for NIXL
-    engines). The tests once set it for every engine while ``dynamo serve`` did not, and
-    passed while every served remote prefill stalled."""
-    env = {**os.environ, "ETCD_ENDPOINTS": etcd, "NATS_SERVER": nats, "PYTHONUNBUFFERED": "1"}
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    return env
-
-
-@pytest.fixture(scope="package")
-def model_dir() -> Path:
-    return ensure_model(MODEL_DIR)
-
-
 @pytest.fixture(scope="package")
 def infra() -> Iterator[tuple[LocalService, LocalService]]:
-    etcd = start_etcd()
-    try:
-        nats = start_nats()
-        try:
-            yield etcd, nats
-        finally:
-            nats.stop()
-    finally:
-        etcd.stop()
+    with own_infra() as services:
+        yield services
 
 
 @pytest.fixture(scope="package")
 def agg_reference(model_dir: Path, infra: tuple[LocalService, LocalService]) -> dict[str, str]:
     """Greedy output of the agg graph for every prompt (the graph is stopped afterwards)."""
     etcd, nats = infra
-    sp = ServeProcess(
-        ["graphs.agg:Frontend", "-f", "configs/agg.yaml", "--Frontend.port=0",
-         f"--Common.model={model_dir}", f"--Processor.model={model_dir}",
-         f"--VllmWorker.model={model_dir}", '--VllmWorker.cpu-threads-bind="0"',
-         "--VllmWorker.cpu-reserved-cores=0"],
-        serve_env(etcd.url, nats.url),
-    )
-    try:
-        sp.wait_ready(180)
+    with served(["graphs.agg:Frontend", "-f", "configs/agg.yaml", "--Frontend.port=0",
+                 f"--Common.model={model_dir}", '--VllmWorker.cpu-threads-bind="0"',
+                 "--VllmWorker.cpu-reserved-cores=0"],
+                graph_env(etcd.url, nats.url), ready_timeout=300) as sp:
         url = sp.url()
         return {p.text: text_of(complete(url, p.text)) for p in [*PROMPTS, KILL_PROMPT]}
-    finally:
-        code = sp.stop()
-        assert code == 0, sp.output()[-3000:]
 
 
 @dataclass
@@ -133,7 +105,7 @@ class DisaggGraph:
 
     def metrics(self) -> dict[str, float]:
         """The decode worker's samples (name{labels} -> value), for the series tests read."""
-        text = httpx.get(f"http://{self.worker_metrics}/metrics", timeout=10).text
+        text = scrape(self.worker_metrics)
         out: dict[str, float] = {}
         for line in text.splitlines():
             if line.startswith(("vllm:prompt_tokens_by_source_total", "vllm:nixl_bytes_transferred",
@@ -148,25 +120,14 @@ class DisaggGraph:
 def disagg_graph(model_dir: Path, infra: tuple[LocalService, LocalService],
                  agg_reference: dict[str, str]) -> Iterator[DisaggGraph]:
     etcd, nats = infra
-    sp = ServeProcess(
-        ["graphs.disagg:Frontend", "-f", "configs/disagg.yaml", "--Frontend.port=0",
-         f"--Common.model={model_dir}", f"--Processor.model={model_dir}",
-         f"--VllmWorker.model={model_dir}", f"--PrefillWorker.model={model_dir}",
-         f"--VllmWorker.max-local-prefill-length={THRESHOLD}",
-         f"--VllmWorker.remote-prefill-timeout={REMOTE_TIMEOUT}",
-         f"--VllmWorker.prefill-queue-ack-wait={ACK_WAIT}",
-         f"--PrefillWorker.prefill-queue-ack-wait={ACK_WAIT}"],
-        serve_env(etcd.url, nats.url),
-    )
-    try:
-        sp.wait_ready(240)
+    env = {**graph_env(etcd.url, nats.url), "DYNAGRAPH_FAULT_INJECTION": "1"}
+    with served(["graphs.disagg:Frontend", "-f", "configs/disagg.yaml", "--Frontend.port=0",
+                 f"--Common.model={model_dir}",
+                 f"--VllmWorker.max-local-prefill-length={THRESHOLD}",
+                 f"--VllmWorker.remote-prefill-timeout={REMOTE_TIMEOUT}",
+                 f"--Common.prefill-queue-ack-wait={ACK_WAIT}",
+                 "--PrefillWorker.ServiceArgs.workers=2"], env) as sp:
         banner = sp.wait_for_line("VllmWorker[0] pid=")
         m = re.search(r"metrics=(\S+)", banner)
         assert m is not None, banner
         yield DisaggGraph(sp, sp.url(), m.group(1), etcd.url, nats.url)
-    finally:
-        code = sp.stop(timeout=30)
-        log_path = os.environ.get("DYNAGRAPH_TEST_GRAPH_LOG")
-        if log_path:  # the graph's whole output, for post-mortems of a CI run
-            Path(log_path).write_text(sp.output())
-        assert code == 0, sp.output()[-3000:]

@@ -10,7 +10,6 @@ outlives its lease unread; the graph stops cleanly.
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,9 +17,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dynagraph.runtime.infra import start_etcd, start_nats
-from tests.support.serve import REPO, ServeProcess
-from tools.model_builder import ensure_model
+from tests.support.infra import own_infra
+from tests.support.metrics import scrape, total
+from tests.support.serve import ServeProcess, graph_env, served
 
 pytestmark = [pytest.mark.nixl, pytest.mark.vllm, pytest.mark.integration]
 
@@ -30,41 +29,16 @@ SHORT = ["Say hello.", "Count to three."]
 
 
 def _metric_sum(address: str, name: str, labels: str = "") -> float:
-    text = httpx.get(f"http://{address}/metrics", timeout=10).text
-    pattern = re.compile(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$")
-    total = 0.0
-    for line in text.splitlines():
-        m = pattern.match(line)
-        if m and labels in (m.group(1) or ""):
-            total += float(m.group(2))
-    return total
+    return total(scrape(address), name, labels)
 
 
 @pytest.fixture(scope="module")
-def graph() -> Iterator[ServeProcess]:
-    model_dir = ensure_model(REPO / "models" / "tiny-llama")
-    etcd = start_etcd()
-    nats = None
-    sp = None
-    try:
-        nats = start_nats()
-        env = {**os.environ, "ETCD_ENDPOINTS": etcd.url, "NATS_SERVER": nats.url,
-               "PYTHONUNBUFFERED": "1"}
-        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # as served
-        sp = ServeProcess(["graphs.disagg_router:Frontend", "-f", "configs/disagg_router.yaml",
-                           "--Frontend.port=0", f"--Common.model={model_dir}"], env)
-        sp.wait_ready(300)
+def graph(model_dir: Path) -> Iterator[ServeProcess]:
+    with own_infra() as (etcd, nats), served(
+            ["graphs.disagg_router:Frontend", "-f", "configs/disagg_router.yaml",
+             "--Frontend.port=0", f"--Common.model={model_dir}"],
+            graph_env(etcd.url, nats.url), ready_timeout=300) as sp:
         yield sp
-    finally:
-        if sp is not None:
-            code = sp.stop(timeout=30)
-            log_path = os.environ.get("DYNAGRAPH_TEST_GRAPH_LOG")
-            if log_path:
-                Path(log_path).write_text(sp.output())
-            assert code == 0, sp.output()[-3000:]
-        if nats is not None:
-            nats.stop()
-        etcd.stop()
 
 
 def _complete(url: str, prompt: str) -> str:

@@ -11,6 +11,7 @@ import httpx
 
 from dynagraph.runtime.discovery import EtcdDiscovery
 from dynagraph.runtime.rpc import RpcClient
+from tests.support.process import pid_alive
 
 NS = "dynamo"
 
@@ -30,11 +31,14 @@ class GraphProbe:
         await self.discovery.close()
 
     async def workers(self) -> dict[int, dict[str, Any]]:
-        """Live VllmWorker processes: instance id -> process record (pid, metrics, ...)."""
-        recs = await self.discovery.get_prefix(f"/{NS}/instances/VllmWorker/")
-        return {int(k.rsplit("/", 1)[1], 16): v for k, v in recs.items()}
+        """Live VllmWorker processes: instance id -> process record (pid, metrics, ...).
 
-    async def wait_workers(self, count: int, within: float = 120) -> dict[int, dict[str, Any]]:
+        A SIGKILLed worker's records stay until its lease expires; its process is gone."""
+        recs = await self.discovery.get_prefix(f"/{NS}/instances/VllmWorker/")
+        return {int(k.rsplit("/", 1)[1], 16): v for k, v in recs.items()
+                if pid_alive(int(v["pid"]))}
+
+    async def wait_workers(self, count: int, within: float = 300) -> dict[int, dict[str, Any]]:
         deadline = time.monotonic() + within
         while True:
             ws = await self.workers()

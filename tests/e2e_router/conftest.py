@@ -1,14 +1,23 @@
-"""One agg_router graph (two vLLM workers, KV events, Router) shared by these tests."""
+"""One agg_router graph (two vLLM workers, KV events, Router) shared by these tests.
+
+Their async code runs in an event loop of this package (``loop_scope="package"``), not
+the session's: at the end of a long session, the session loop stopped seeing some of its
+sockets become readable (the Frontend's complete answers sat unread in the test process,
+CLOSE-WAIT with data queued, until the client's read timeout), which broke the 400-stream
+and migration tests only when run after the other e2e packages. The deaf sockets had low,
+reused fd numbers; why the loop missed them is not established (no selector key with a
+closed socket was found). The load clients of the migration and overload tests also run
+in fresh loops on threads of their own: with the package loop alone it happened once more."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+import pytest_asyncio
 
-from tests.support.serve import ServeProcess
+from tests.support.serve import ServeProcess, graph_env, served
 
 from ._probe import GraphProbe
 
@@ -18,25 +27,15 @@ MODEL = "tiny-llama"
 
 @pytest.fixture(scope="package")
 def router_graph(model_dir: Path, etcd_url: str, nats_url: str) -> Iterator[ServeProcess]:
-    # Engine cores in their own processes, as in production: with two in-process engine
-    # cores on 2 cores, a worker's event loop (and its lease keepalive) can starve.
-    env = {**os.environ, "ETCD_ENDPOINTS": etcd_url, "NATS_SERVER": nats_url,
-           "PYTHONUNBUFFERED": "1"}
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    sp = ServeProcess(
-        ["graphs.agg_router:Frontend", "-f", "configs/agg_router.yaml", "--Frontend.port=0",
-         f"--Common.model={model_dir}", f"--Common.max-model-len={MAX_MODEL_LEN}",
-         "--VllmWorker.max-num-seqs=8"],
-        env,
-    )
-    try:
-        sp.wait_ready(240)
+    # Engine cores in their own processes, as in production: two in-process engine cores
+    # on 2 cores can starve a worker's event loop and its lease keepalive.
+    with served(["graphs.agg_router:Frontend", "-f", "configs/agg_router.yaml",
+                 "--Frontend.port=0", f"--Common.model={model_dir}",
+                 f"--Common.max-model-len={MAX_MODEL_LEN}", "--VllmWorker.max-num-seqs=8",
+                 "--Frontend.max-inflight-requests=48", "--Frontend.max-queued-requests=48",
+                 "--Frontend.queue-timeout=5"],
+                graph_env(etcd_url, nats_url), clean_exit=False) as sp:
         yield sp
-    finally:
-        sp.stop()
-        log_path = os.environ.get("DYNAGRAPH_TEST_GRAPH_LOG")
-        if log_path:  # the graph's whole output, for post-mortems of a CI run
-            Path(log_path).write_text(sp.output())
 
 
 @pytest.fixture(scope="package")
@@ -44,7 +43,7 @@ def router_url(router_graph: ServeProcess) -> str:
     return router_graph.url()
 
 
-@pytest.fixture(scope="package")
+@pytest_asyncio.fixture(scope="package", loop_scope="package")
 async def probe(router_graph: ServeProcess, etcd_url: str) -> AsyncIterator[GraphProbe]:
     p = GraphProbe(etcd_url)
     await p.start()

@@ -12,7 +12,7 @@ import pytest
 from ._probe import GraphProbe
 from .test_kv_routing import BLOCK, complete, served_by, snapshot, tokens, wait_route
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="package")]
 
 
 async def test_routing_continues_when_a_worker_dies(router_url: str, probe: GraphProbe) -> None:

@@ -4,10 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import threading
-import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -15,6 +11,9 @@ from typing import Any
 
 import httpx
 
+from tests.support.metrics import scrape as metrics_text
+from tests.support.poll import wait_until
+from tests.support.process import OutputProcess
 from tests.support.serve import REPO, ServeProcess
 
 MAX_MODEL_LEN = 1024
@@ -22,58 +21,19 @@ MAX_MODEL_LEN = 1024
 
 def serve_args(graph: str, model_dir: Path) -> list[str]:
     """``dynamo serve`` arguments for graphs.<graph> on the test model, Frontend on port 0."""
-    from dynagraph.sdk._config import resolve_config
-    from dynagraph.sdk._graph import resolve_target
-
-    config = f"configs/{graph}.yaml"
-    target = f"graphs.{graph}:Frontend"
-    resolved = resolve_config(resolve_target(target), str(REPO / config), [])
-    args = [target, "-f", config, "--Frontend.port=0"]
-    for name, cfg in resolved.items():
-        if "model" in cfg.values:
-            args.append(f"--{name}.model={model_dir}")
-        if "max-model-len" in cfg.values:
-            args.append(f"--{name}.max-model-len={MAX_MODEL_LEN}")
-    return args
+    return [f"graphs.{graph}:Frontend", "-f", f"configs/{graph}.yaml", "--Frontend.port=0",
+            f"--Common.model={model_dir}", f"--Common.max-model-len={MAX_MODEL_LEN}"]
 
 
-class PrometheusScript:
+class PrometheusScript(OutputProcess):
     """``scripts/prometheus.sh TARGETS`` in its own session, stopped by its PID."""
 
     def __init__(self, targets: Path, scrape_interval: str = "1s") -> None:
         env = {**os.environ, "PROMETHEUS_PORT": "0", "PROMETHEUS_SCRAPE_INTERVAL": scrape_interval}
-        self.proc = subprocess.Popen(
-            ["bash", str(REPO / "scripts" / "prometheus.sh"), str(targets)], cwd=REPO, env=env,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True)
-        self.lines: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for raw in self.proc.stdout:
-            self.lines.append(raw.decode(errors="replace").rstrip("\n"))
+        super().__init__(["bash", str(REPO / "scripts" / "prometheus.sh"), str(targets)], env)
 
     def wait_url(self, timeout: float = 60.0) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for line in self.lines:
-                if line.startswith("prometheus ready at "):
-                    return line.split()[3]
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.05)
-        raise AssertionError("prometheus.sh did not become ready:\n" + "\n".join(self.lines))
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=5)
-        return self.proc.returncode
+        return self.wait_for_line("prometheus ready at ", timeout).split()[3]
 
 
 def query(prom: str, expr: str) -> list[dict[str, Any]]:
@@ -87,17 +47,6 @@ def query(prom: str, expr: str) -> list[dict[str, Any]]:
 def active_targets(prom: str) -> list[dict[str, Any]]:
     with urllib.request.urlopen(f"{prom}/api/v1/targets?state=active", timeout=10) as resp:  # noqa: S310
         return list(json.loads(resp.read())["data"]["activeTargets"])
-
-
-def wait_until(cond: Any, timeout: float, what: str, interval: float = 0.25) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = cond()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what} (last: {last!r})")
 
 
 def long_prompt(i: int, sentences: int = 40) -> str:
@@ -131,11 +80,6 @@ def drive_traffic(base_url: str, model: str, rounds: int = 3, long_prompts: int 
                 "max_tokens": 200, "stream": True}) as resp:
             for _ in resp.iter_lines():
                 break  # disconnect after the first line
-
-
-def metrics_text(address: str) -> str:
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as resp:  # noqa: S310
-        return resp.read().decode()
 
 
 __all__ = ["ServeProcess", "PrometheusScript", "active_targets", "drive_traffic",

@@ -10,10 +10,11 @@ from dynagraph.observability.catalog import BY_NAME, CATALOG, PENDING_RENAMES, s
 from dynagraph.observability.disagg_metrics import DecodeMetrics, PrefillQueueMetrics
 from dynagraph.observability.processor_metrics import ProcessorMetrics
 from dynagraph.observability.router_metrics import RouterMetrics
+from tests.support.metrics import value
 
 from .conftest import promtool_check_metrics
 
-NAME = re.compile(r"^dynamo_(frontend|processor|router|worker|prefill_queue)_[a-z0-9_]+$")
+NAME = re.compile(r"^dynamo_(frontend|processor|router|worker|prefill_queue|ffn)_[a-z0-9_]+$")
 UNITS = ("_seconds", "_bytes", "_ratio", "_tokens", "_blocks", "_requests")
 
 
@@ -27,7 +28,7 @@ def test_names_are_unique_and_conventional() -> None:
         assert not re.search(r"_(ms|milliseconds|percent|kb|mb)(_|$)", m.name), m.name
         if m.kind == "histogram":
             assert m.name.endswith(UNITS), m.name
-        assert m.help and m.graph in {"agg", "agg_router", "disagg"}
+        assert m.help and m.graph in {"agg", "agg_router", "disagg", "agg_afd"}
 
 
 def test_pending_renames_are_catalogued_and_fix_the_convention() -> None:
@@ -73,13 +74,6 @@ def _exercise(registry: CollectorRegistry) -> str:
     return generate_latest(registry).decode()
 
 
-def _value(text: str, series: str) -> float:
-    for line in text.splitlines():
-        if line.startswith(series + " "):
-            return float(line.split()[-1])
-    raise AssertionError(f"{series} not in output")
-
-
 def test_helpers_export_catalogued_names_with_expected_values() -> None:
     registry = CollectorRegistry()
     text = _exercise(registry)
@@ -88,21 +82,21 @@ def test_helpers_export_catalogued_names_with_expected_values() -> None:
         name = fam + "_total" if f"# TYPE {fam}_total counter" in text or \
             f"# TYPE {fam} counter" in text else fam
         assert spec(name), fam
-    assert abs(_value(text, "dynamo_processor_queue_seconds_sum") - 0.008) < 1e-9
-    assert abs(_value(text, "dynamo_processor_tokenize_seconds_sum") - 0.002) < 1e-9
-    assert abs(_value(text, "dynamo_processor_detokenize_seconds_sum") - 0.001) < 1e-9
-    assert _value(text, "dynamo_processor_detokenize_seconds_count") == 1
-    assert _value(text, 'dynamo_router_decisions_total{mode="kv",worker="a1"}') == 1
-    assert _value(text, 'dynamo_router_request_blocks_total{worker="a1"}') == 8
-    assert _value(text, 'dynamo_router_overlap_blocks_total{worker="a1"}') == 6
-    assert _value(text, "dynamo_router_decision_seconds_count") == 1
-    assert _value(text, 'dynamo_router_index_blocks{worker="a1"}') == 42
+    assert abs(value(text, "dynamo_processor_queue_seconds_sum") - 0.008) < 1e-9
+    assert abs(value(text, "dynamo_processor_tokenize_seconds_sum") - 0.002) < 1e-9
+    assert abs(value(text, "dynamo_processor_detokenize_seconds_sum") - 0.001) < 1e-9
+    assert value(text, "dynamo_processor_detokenize_seconds_count") == 1
+    assert value(text, 'dynamo_router_decisions_total{mode="kv",worker="a1"}') == 1
+    assert value(text, 'dynamo_router_request_blocks_total{worker="a1"}') == 8
+    assert value(text, 'dynamo_router_overlap_blocks_total{worker="a1"}') == 6
+    assert value(text, "dynamo_router_decision_seconds_count") == 1
+    assert value(text, 'dynamo_router_index_blocks{worker="a1"}') == 42
     assert 'dynamo_router_index_blocks{worker="b2"}' not in text
-    assert _value(text, 'dynamo_router_kv_event_batches_total{worker="a1"}') == 3
-    assert _value(text, 'dynamo_worker_kv_transfer_bytes_total{worker="a1"}') == 4096
-    assert _value(text, "dynamo_prefill_queue_depth") == 3
-    assert _value(text, "dynamo_prefill_queue_wait_seconds_sum") == 0.75
-    assert _value(text, "dynamo_prefill_queue_redeliveries_total") == 1
+    assert value(text, 'dynamo_router_kv_event_batches_total{worker="a1"}') == 3
+    assert value(text, 'dynamo_worker_kv_transfer_bytes_total{worker="a1"}') == 4096
+    assert value(text, "dynamo_prefill_queue_depth") == 3
+    assert value(text, "dynamo_prefill_queue_wait_seconds_sum") == 0.75
+    assert value(text, "dynamo_prefill_queue_redeliveries_total") == 1
 
 
 def test_helper_metrics_pass_promtool() -> None:

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 from dynagraph.observability.file_sd import (
@@ -17,6 +14,7 @@ from dynagraph.observability.file_sd import (
 from dynagraph.observability.graph_targets import etcd_targets
 from dynagraph.runtime.discovery import MemoryDiscovery, MemoryStore
 from dynagraph.sdk._context import process_key
+from tests.support.poll import until
 
 
 def test_targets_from_records() -> None:
@@ -53,13 +51,6 @@ def test_etcd_targets() -> None:
     assert etcd_targets("") == []
 
 
-async def _until(cond: Callable[[], bool], within: float = 2.0) -> None:
-    deadline = time.monotonic() + within
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.005)
-
-
 async def test_writer_follows_instances(tmp_path: Path) -> None:
     store = MemoryStore()
     path = tmp_path / "targets.json"
@@ -77,9 +68,9 @@ async def test_writer_follows_instances(tmp_path: Path) -> None:
         async with MemoryDiscovery(store) as second:      # scaling up: no config edit
             await second.put(process_key("ns", "Worker", second.instance_id),
                              {"metrics": "127.0.0.1:1002", "worker_index": 1}, lease=True)
-            await _until(lambda: len(addresses()) == 2)
-        await _until(lambda: addresses() == ["127.0.0.1:1001"])  # its lease went with it
+            await until(lambda: len(addresses()) == 2)
+        await until(lambda: addresses() == ["127.0.0.1:1001"])  # its lease went with it
         first.expire()                                           # a crash
-        await _until(lambda: addresses() == [])
+        await until(lambda: addresses() == [])
         await writer.close()
         assert json.loads(path.read_text()) == [static_target("127.0.0.1:2379", "etcd")]

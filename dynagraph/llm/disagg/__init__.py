@@ -26,7 +26,7 @@ from dynagraph.llm.disagg.policy import (
     PrefillDecision,
     decide_prefill,
 )
-from dynagraph.llm.disagg.prefill import JobOutcome, PrefillJobHandler, serve_queue
+from dynagraph.llm.disagg.prefill import JobOutcome, PrefillJobHandler, reply_through, serve_queue
 
 __all__ = [
     "PREFILL_DONE_ENDPOINT",
@@ -43,5 +43,6 @@ __all__ = [
     "PrefixCacheEstimate",
     "RemotePrefillCoordinator",
     "decide_prefill",
+    "reply_through",
     "serve_queue",
 ]

@@ -33,7 +33,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any, Literal
 
 import msgspec
@@ -125,8 +125,8 @@ class PrefixCacheEstimate:
         self.capacity_blocks = capacity_blocks
         self._lru: OrderedDict[int, None] = OrderedDict()
 
-    def hashes(self, tokens: Sequence[int]) -> list[int]:
-        return self.hasher.block_hashes(tokens)
+    def hashes(self, tokens: Sequence[int], cache_salt: str | None = None) -> list[int]:
+        return self.hasher.block_hashes(tokens, cache_salt=cache_salt)
 
     def cached_len(self, hashes: Sequence[int]) -> int:
         """Tokens of the longest cached full-block prefix of the blocks ``hashes``."""
@@ -149,6 +149,7 @@ class PrefixCacheEstimate:
         return len(self._lru)
 
 
+@dataclass(eq=False)
 class RemotePrefillCoordinator:
     """Per decode worker: turns a prompt into a :class:`PrefillPlan` (see the module doc).
 
@@ -157,25 +158,15 @@ class RemotePrefillCoordinator:
     prefill workers are registered (0 means: don't wait for one).
     """
 
-    def __init__(
-        self,
-        *,
-        settings: LiveDisaggSettings,
-        queue: PrefillQueue,
-        reply_to: ReplyTarget,
-        prefix: PrefixCacheEstimate,
-        prefill_workers: Callable[[], int] = lambda: 1,
-        metrics: PrefillMetrics | None = None,
-        clock: Callable[[], float] = time.time,
-    ) -> None:
-        self.settings = settings
-        self.queue = queue
-        self.reply_to = reply_to
-        self.prefix = prefix
-        self.prefill_workers = prefill_workers
-        self.metrics = metrics
-        self.clock = clock
-        self._pending: dict[str, asyncio.Future[PrefillResult]] = {}
+    _: KW_ONLY
+    settings: LiveDisaggSettings
+    queue: PrefillQueue
+    reply_to: ReplyTarget
+    prefix: PrefixCacheEstimate
+    prefill_workers: Callable[[], int] = lambda: 1
+    metrics: PrefillMetrics | None = None
+    clock: Callable[[], float] = time.time
+    _pending: dict[str, asyncio.Future[PrefillResult]] = field(default_factory=dict, init=False)
 
     @property
     def pending(self) -> int:
@@ -186,7 +177,7 @@ class RemotePrefillCoordinator:
         self, request_id: str, prompt: Sequence[int], sampling: PrefillSampling | None = None
     ) -> PrefillPlan:
         """Decide and, for a remote prefill, wait for it; never raises for infra failures."""
-        hashes = self.prefix.hashes(prompt)
+        hashes = self.prefix.hashes(prompt, sampling.cache_salt if sampling else None)
         plan = await self._plan(request_id, prompt, self.prefix.cached_len(hashes), sampling)
         self.prefix.record(hashes)
         if self.metrics is not None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from dynagraph.config import ConfigModel
 from dynagraph.llm.disagg.policy import DisaggConfig
@@ -19,9 +19,12 @@ class DisaggWorkerKeys(ConfigModel):
     """Keys both NIXL workers have (decode: ``DecodeDisaggKeys``, prefill:
     ``PrefillWorkerConfig``)."""
 
-    prefill_queue_ack_wait: float = Field(default=30.0, gt=0)
-    """Seconds before a held, unacked job is delivered again. Share it between the decode
-    and prefill workers (``Common``): the last process to connect sets the queue's value."""
+    prefill_queue_ack_wait: float = Field(default=3.0, gt=0)
+    """Seconds before an unacked job is delivered again. A prefill worker working on a job
+    says so every third of it (``in_progress``), so only a dead or frozen worker's job
+    moves on, and soon enough for the decode worker, which waits
+    ``remote-prefill-timeout``, to still use it. Share it between the decode and prefill
+    workers (``Common``): the last process to connect sets the queue's value."""
     prefill_queue_max_deliver: int = Field(default=3, ge=1)
     nixl_progress_delay_us: int = Field(default=DEFAULT_DELAY_US, ge=0,
                                         description=PROGRESS_DELAY_DOC)
@@ -34,6 +37,16 @@ class DecodeDisaggKeys(DisaggWorkerKeys, DisaggConfig):
     ``max-local-prefill-length`` and ``max-prefill-queue-size`` can be changed live in
     etcd (``/{namespace}/settings/VllmWorker/<key>``).
     """
+
+    @model_validator(mode="after")
+    def _redelivery_can_be_used(self) -> DecodeDisaggKeys:
+        if self.remote_prefill and self.prefill_queue_ack_wait * 2 > self.remote_prefill_timeout:
+            raise ValueError(
+                f"prefill-queue-ack-wait ({self.prefill_queue_ack_wait}s) must be at most half "
+                f"of remote-prefill-timeout ({self.remote_prefill_timeout}s): a job whose "
+                "prefill worker died is redelivered after ack-wait and must still have time "
+                "to be prefilled before the decode worker gives up on it")
+        return self
 
     def disagg_config(self) -> DisaggConfig:
         return DisaggConfig.model_validate(

@@ -26,7 +26,7 @@ from typing import Final, Literal
 from pydantic import Field
 
 from dynagraph.config import ConfigModel
-from dynagraph.runtime.live_settings import LiveSettings
+from dynagraph.runtime.live_settings import LiveSettings, LiveSpec
 
 
 class DisaggConfig(ConfigModel):
@@ -73,6 +73,9 @@ def decide_prefill(cfg: DisaggConfig, prompt_len: int, cached_len: int, queue_de
 LIVE_KEYS: Final = ("max-local-prefill-length", "max-prefill-queue-size")
 """Settings that may change at run time through etcd."""
 
+LIVE: Final = LiveSpec(DisaggConfig, LIVE_KEYS)
+"""The decode worker's live settings (``VllmWorker.LIVE_SETTINGS``)."""
+
 DEFAULT_COMPONENT: Final = "VllmWorker"
 
 
@@ -98,7 +101,7 @@ class LiveDisaggSettings(LiveSettings[DisaggConfig]):
     def __init__(
         self, base: DisaggConfig, *, namespace: str, component: str = DEFAULT_COMPONENT
     ) -> None:
-        super().__init__(base, prefix=settings_prefix(namespace, component), live=LIVE_KEYS)
+        super().__init__(base, prefix=settings_prefix(namespace, component), live=LIVE.names)
 
     def decide(self, prompt_len: int, cached_len: int, queue_depth: int) -> PrefillDecision:
         return decide_prefill(self.current, prompt_len, cached_len, queue_depth)

@@ -5,7 +5,8 @@ One job, in order (``PrefillJobHandler.handle``):
 1. past its deadline -> ``term`` (the decode worker already prefilled locally);
 2. prefill with ``max_tokens=1`` and ``kv_transfer_params={"do_remote_decode": True}``
    while a heartbeat calls ``item.in_progress()`` so the queue does not redeliver a
-   long prefill; an engine failure -> ``nak`` (another worker may succeed);
+   long prefill; an engine failure -> ``nak`` (another worker may succeed); a prefill
+   still running at the deadline is cancelled -> ``term``;
 3. call the decode worker back (``reply(job.reply_to, PrefillResult)``);
 4. only once that call returned -> ``ack``. If the decode worker is gone
    (``NoInstancesError``) -> ``term``; any other failure of the call -> ``nak`` so the
@@ -24,8 +25,10 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import Any, Literal, Protocol
+
+import msgspec
 
 from dynagraph.errors import EngineError, NoInstancesError, RequestPlaneError
 from dynagraph.llm.disagg.coordinator import PrefillAck, PrefillResult
@@ -59,6 +62,27 @@ ReplyFn = Callable[[ReplyTarget, PrefillResult], Awaitable[PrefillAck]]
 """Hands a result to the decode worker named by the job; raises RequestPlaneError."""
 
 
+class EndpointClients(Protocol):
+    """Finds an endpoint client by name (``RuntimeContext`` satisfies it)."""
+
+    async def client(self, component: str, endpoint: str) -> Any: ...
+
+
+def reply_through(runtime: EndpointClients) -> ReplyFn:
+    """The ``ReplyFn`` of a prefill worker: a direct call of the instance named in the
+    job's ``reply_to`` (its ``prefill_done`` endpoint), found through ``runtime``."""
+
+    async def reply(target: ReplyTarget, result: PrefillResult) -> PrefillAck:
+        client = await runtime.client(target.component, target.endpoint)
+        stream = client.direct(msgspec.to_builtins(result), target.instance_id)
+        async with contextlib.aclosing(stream):
+            async for msg in stream:
+                return msgspec.convert(msg, PrefillAck)
+        raise RequestPlaneError(f"{target.component}.{target.endpoint} answered nothing")
+
+    return reply
+
+
 @dataclass(frozen=True)
 class JobOutcome:
     request_id: str
@@ -68,30 +92,20 @@ class JobOutcome:
     reply_s: float = 0.0
 
 
+@dataclass(eq=False)
 class PrefillJobHandler:
     """Handles one queue item at a time per call; safe to run several calls concurrently."""
 
-    def __init__(
-        self,
-        engine: PrefillEngine,
-        reply: ReplyFn,
-        *,
-        instance_id: int = 0,
-        heartbeat_s: float = 5.0,
-        reply_timeout: float = 10.0,
-        hold_s: Callable[[], float] = lambda: 0.0,
-        clock: Callable[[], float] = time.time,
-        observer: PullObserver | None = None,
-    ) -> None:
-        self.engine = engine
-        self.reply = reply
-        self.instance_id = instance_id
-        self.heartbeat_s = heartbeat_s
-        self.reply_timeout = reply_timeout
-        self.hold_s = hold_s
-        """Seconds to wait between prefill and hand-off (fault-injection tests; 0 normally)."""
-        self.clock = clock
-        self.observer = observer
+    engine: PrefillEngine
+    reply: ReplyFn
+    _: KW_ONLY
+    instance_id: int = 0
+    heartbeat_s: float = 5.0
+    reply_timeout: float = 10.0
+    hold_s: Callable[[], float] = lambda: 0.0
+    """Seconds to wait between prefill and hand-off (fault-injection tests; 0 normally)."""
+    clock: Callable[[], float] = time.time
+    observer: PullObserver | None = None
 
     async def handle(self, item: QueueItem) -> JobOutcome:
         job = item.job
@@ -105,8 +119,19 @@ class PrefillJobHandler:
         async with _heartbeat(item, self.heartbeat_s):
             began = time.monotonic()
             try:
-                params = await self._prefill(job.request_id, job.prompt_token_ids, job,
-                                             item.delivery_count)
+                # Never past the job's deadline: the decode worker prefills locally then, and
+                # an engine request that never finishes must not hold this slot (and, with
+                # the heartbeat, the job) for ever.
+                params = await asyncio.wait_for(
+                    self._prefill(job.request_id, job.prompt_token_ids, job,
+                                  item.delivery_count),
+                    max(job.deadline - self.clock(), 0.0))
+            except TimeoutError:
+                log.warning("prefill of %s not done by its deadline (%.1fs after the pull); "
+                            "the decode worker prefills it itself: dropped", job.request_id,
+                            time.monotonic() - began)
+                await item.term()
+                return JobOutcome(job.request_id, "expired", wait, time.monotonic() - began)
             except EngineError as e:
                 log.warning("prefill of %s failed (delivery %d), giving it back: %s",
                             job.request_id, item.delivery_count, e)
@@ -150,7 +175,7 @@ class PrefillJobHandler:
                        delivery: int) -> dict[str, Any]:
         s = job.sampling
         spec = SamplingSpec(max_tokens=1, temperature=s.temperature, top_p=s.top_p,
-                            top_k=s.top_k, seed=s.seed)
+                            top_k=s.top_k, seed=s.seed, cache_salt=s.cache_salt)
         params: dict[str, Any] | None = None
         async for out in self.engine.generate(f"{request_id}-prefill-{delivery}", prompt, spec,
                                               kv_transfer_params=dict(REMOTE_DECODE_PARAMS)):
@@ -188,8 +213,14 @@ async def serve_queue(
     concurrency: int = 2,
     pull_timeout: float = 1.0,
     on_outcome: Callable[[JobOutcome], None] | None = None,
+    stopping: asyncio.Event | None = None,
+    drain_s: float = 5.0,
 ) -> None:
-    """Pull and handle jobs until cancelled; at most ``concurrency`` at once."""
+    """Pull and handle jobs until cancelled; at most ``concurrency`` at once.
+
+    When ``stopping`` is set (a worker being scaled down), no further job is pulled and the
+    function returns once the jobs in hand are done (at most ``drain_s`` seconds; any left
+    are cancelled, unacked, so the queue delivers them again)."""
     if concurrency < 1:
         raise ValueError("concurrency must be >= 1")
     slots = asyncio.Semaphore(concurrency)
@@ -211,7 +242,7 @@ async def serve_queue(
             slots.release()
 
     try:
-        while True:
+        while stopping is None or not stopping.is_set():
             await slots.acquire()
             try:
                 item = await queue.pull(pull_timeout)
@@ -224,6 +255,9 @@ async def serve_queue(
             task = asyncio.create_task(run(item))
             running.add(task)
             task.add_done_callback(running.discard)
+        if running:
+            log.info("stopping: finishing %d prefill job(s) in hand", len(running))
+            await asyncio.wait(set(running), timeout=drain_s)
     finally:
         for task in running:
             task.cancel()

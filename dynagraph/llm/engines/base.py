@@ -22,7 +22,15 @@ FinishReason = Literal["stop", "length", "abort"]
 
 
 class SamplingSpec(BaseModel):
-    """How to sample one request. ``temperature == 0`` means greedy."""
+    """How to sample one request. ``temperature == 0`` means greedy.
+
+    An engine honours every field or refuses the request with ``InvalidRequest`` naming
+    the field; it never ignores one. ``n`` > 1 runs that many choices of one prompt (the
+    outputs carry their ``index``); ``logprobs`` / ``prompt_logprobs`` ask for the
+    chosen token's logprob plus that many top alternatives per position;
+    ``structured_outputs`` is one constraint in the shape of
+    ``dynagraph.llm.protocol.StructuredOutputsSpec`` (a dict).
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -37,6 +45,19 @@ class SamplingSpec(BaseModel):
     stop_token_ids: list[int] = Field(default_factory=list)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    logit_bias: dict[int, float] | None = None
+    bad_words: list[str] = Field(default_factory=list)
+    allowed_token_ids: list[int] | None = None
+    n: int = Field(default=1, ge=1)
+    logprobs: int | None = Field(default=None, ge=-1)
+    prompt_logprobs: int | None = Field(default=None, ge=-1)
+    structured_outputs: dict[str, Any] | None = None
+    cache_salt: str | None = None
+    """Isolates the prefix cache: blocks are shared only between requests with the same salt."""
+    priority: int = 0
+    """Scheduling priority (lower first) where the engine schedules by priority."""
 
     @model_validator(mode="after")
     def _min_le_max(self) -> SamplingSpec:
@@ -48,17 +69,24 @@ class SamplingSpec(BaseModel):
 
 
 class EngineOutput(BaseModel):
-    """One step of a request's stream: the tokens generated since the previous one.
+    """One step of one choice of a request: the tokens generated since the previous one.
 
-    The last output of a stream has ``finish_reason`` set; it may carry no new tokens
-    (e.g. after an abort). ``kv_transfer_params`` is set on the last output of a
-    request that asked for a remote decode (disaggregated prefill).
+    ``index`` is the choice (0 .. n-1). A choice's last output has ``finish_reason``
+    set; it may carry no new tokens (e.g. after an abort); the stream ends after every
+    choice finished. ``kv_transfer_params`` is set on the last output of a request that
+    asked for a remote decode (disaggregated prefill). ``logprobs`` (one entry per
+    new token: ids with the chosen one first, then the top alternatives, and their
+    logprobs) and ``prompt_logprobs`` (first output only; ids, logprobs and ranks per
+    prompt position, the first None) are set only when the sampling spec asked.
     """
 
     model_config = ConfigDict(extra="forbid")
 
     token_ids: list[int]
     finish_reason: FinishReason | None = None
+    index: int = 0
+    logprobs: list[tuple[list[int], list[float]]] | None = None
+    prompt_logprobs: list[tuple[list[int], list[float], list[int]] | None] | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     """Prompt tokens served from the engine's prefix cache (or pulled from a remote one)."""
@@ -69,7 +97,12 @@ class EngineLoad(BaseModel):
     """A snapshot of the engine's load, as of its most recent scheduler step.
 
     ``prefix_cache_queries`` / ``prefix_cache_hits`` count prompt tokens since start
-    (monotonic), so a hit rate over a window is the ratio of their increases.
+    (monotonic), so a hit rate over a window is the ratio of their increases. So do the
+    ``*_total`` step counters, from which the Router learns the engine's speeds
+    (``dynagraph.llm.router.rates``): every engine step counts once, either as a prefill
+    step (it computed prompt tokens, decodes alongside included) or as a decode step.
+    Every field has a default, so a reader accepts samples from engines that publish
+    fewer fields (0 / ``None`` = not known).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -80,6 +113,24 @@ class EngineLoad(BaseModel):
     kv_blocks_total: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    requests_total: int = 0
+    """Requests handed to the engine since start."""
+    prefilling: int = 0
+    """Requests in the engine that have not had their first token yet (waiting included)."""
+    prefill_tokens_total: int = 0
+    """Prompt tokens computed (not found in the cache) since start."""
+    prefill_seconds_total: float = 0.0
+    """Seconds of the steps that computed prompt tokens, since start."""
+    decode_steps_total: int = 0
+    """Steps that computed no prompt token but decoded, since start."""
+    decode_seconds_total: float = 0.0
+    """Seconds of those steps."""
+    max_num_batched_tokens: int = 0
+    """Tokens one step computes at most (longer prompts take several steps)."""
+    nominal_prefill_tokens_per_s: float | None = None
+    """The engine's own idea of its prefill speed (a simulated engine's profile)."""
+    nominal_decode_step_s: float | None = None
+    """The engine's own idea of one decode step's duration."""
 
     @property
     def kv_usage(self) -> float:

@@ -22,7 +22,7 @@ import os
 import time
 import warnings
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -30,12 +30,19 @@ from dynagraph.errors import ConfigError, EngineError, InvalidRequest, PromptToo
 from dynagraph.llm.engines.base import EngineLoad, EngineOutput, FinishReason, SamplingSpec
 from dynagraph.llm.engines.reaper import Reaper, vllm_descendants
 from dynagraph.llm.engines.vllm_stats import LoadTracker, make_stat_logger_factory
+from dynagraph.runtime import progress
 
 log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 300.0
 """Upper bound on model load + engine core start (torch.compile can take a minute)."""
 SHUTDOWN_TIMEOUT_S = 30.0
+ENGINE_EXIT_WAIT_S = 0.2
+"""How long vLLM may wait for its engine-core processes to exit on their own before it
+kills them. Left alone, their teardown is a garbage collection over the model runner's
+heap (1+ s here, py-spy: ``gc_collect_main``) that nothing after a shutdown needs; the
+shared-memory queue a killed worker leaves is unlinked by multiprocessing's resource
+tracker when this process exits (and by ``dynamo serve``'s sweep)."""
 
 
 def _kebab(name: str) -> str:
@@ -62,6 +69,8 @@ class VllmEngineArgs(BaseModel):
     enforce_eager: bool = True
     """Skip torch.compile / graph capture (saves 30-70 s of start-up on the CPU)."""
     enable_prefix_caching: bool = True
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    """``priority``: requests carry their SLO class's priority (lower is served first)."""
     seed: int = 0
     dtype: str = "auto"
     kv_events_endpoint: str | None = None
@@ -71,11 +80,21 @@ class VllmEngineArgs(BaseModel):
     kv_transfer_config: dict[str, Any] | None = None
     """Passed to vLLM's ``KVTransferConfig`` (e.g. the NixlConnector settings)."""
     cpu_threads_bind: str | None = None
-    """``VLLM_CPU_OMP_THREADS_BIND`` (e.g. ``"0"``, ``"0-1"``); ``None`` keeps vLLM's."""
+    """``VLLM_CPU_OMP_THREADS_BIND`` (e.g. ``"0"``, ``"0-1"``); ``None`` keeps vLLM's;
+    ``spread``: worker ``i`` of the component on core ``i mod cpus`` (``spread_bind``)."""
     cpu_reserved_cores: int | None = Field(default=None, ge=0)
     """``VLLM_CPU_NUM_OF_RESERVED_CPU``; set 0 on 2-core machines with a KV connector."""
     log_stats: bool = False
     """Also run vLLM's own stat loggers (periodic log lines, ``vllm:*`` Prometheus metrics)."""
+    structured_outputs_backend: Literal[
+        "auto", "xgrammar", "guidance", "outlines", "lm-format-enforcer", "none"] = "auto"
+    """vLLM's structured-output backend; ``none`` refuses constrained requests."""
+    structured_outputs_disable_any_whitespace: bool = False
+    """Constrained JSON without optional whitespace (vLLM's server-wide option)."""
+    structured_outputs_disable_additional_properties: bool = False
+    """JSON schemas without ``additionalProperties`` forbid extra keys (guidance only)."""
+    max_logprobs: int = Field(default=20, ge=-1)
+    """Most logprobs a request may ask for per position (-1: the whole vocabulary)."""
     extra_engine_args: dict[str, Any] = Field(default_factory=dict)
     """Any other ``vllm.AsyncEngineArgs`` field, passed through unchecked."""
 
@@ -88,6 +107,20 @@ class VllmEngineArgs(BaseModel):
                 "(vLLM binds it) or tcp://127.0.0.1:PORT"
             )
         return value
+
+
+SPREAD = "spread"
+
+
+def spread_bind(value: str | None, worker_index: int, cpus: int) -> str | None:
+    """``cpu-threads-bind`` as vLLM takes it: ``spread`` becomes worker ``worker_index``'s
+    own core. vLLM's automatic binding put both engines of a two-worker graph on core 0
+    here, and their OpenMP threads then starved one of them: in round robin every request
+    to it took 2-5 s, every one to the other 0.3-0.5 s (``benchmarks/results/
+    routing_probe.md``)."""
+    if value != SPREAD:
+        return value
+    return str(worker_index % max(cpus, 1))
 
 
 def _apply_env(args: VllmEngineArgs) -> None:
@@ -105,19 +138,32 @@ def _apply_env(args: VllmEngineArgs) -> None:
 
 def _to_sampling_params(spec: SamplingSpec, kv_transfer_params: dict[str, Any] | None) -> Any:
     from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
+    structured = None
+    if spec.structured_outputs is not None:
+        structured = StructuredOutputsParams(**spec.structured_outputs)
     return SamplingParams(
+        n=spec.n,
         max_tokens=spec.max_tokens,
         min_tokens=spec.min_tokens,
         temperature=spec.temperature,
         top_p=spec.top_p,
         top_k=spec.top_k or 0,
+        min_p=spec.min_p,
         seed=spec.seed,
         ignore_eos=spec.ignore_eos,
         stop_token_ids=list(spec.stop_token_ids),
         presence_penalty=spec.presence_penalty,
         frequency_penalty=spec.frequency_penalty,
+        repetition_penalty=spec.repetition_penalty,
+        logit_bias=spec.logit_bias,
+        bad_words=list(spec.bad_words) or None,
+        allowed_token_ids=spec.allowed_token_ids,
+        logprobs=spec.logprobs,
+        prompt_logprobs=spec.prompt_logprobs,
+        flat_logprobs=spec.logprobs is not None or spec.prompt_logprobs is not None,
+        structured_outputs=structured,
         detokenize=False,  # the processor detokenizes; the engine only moves ids
         output_kind=RequestOutputKind.DELTA,
         extra_args={"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None,
@@ -163,10 +209,12 @@ class VllmEngine:
             "max_num_batched_tokens": a.max_num_batched_tokens,
             "enforce_eager": a.enforce_eager,
             "enable_prefix_caching": a.enable_prefix_caching,
+            "scheduling_policy": a.scheduling_policy,
             "seed": a.seed,
             "dtype": a.dtype,
             "disable_log_stats": not a.log_stats,
             "enable_log_requests": False,
+            "max_logprobs": a.max_logprobs,
         }
         kwargs = {k: v for k, v in kwargs.items() if v is not None}
         overlap = set(kwargs) & set(a.extra_engine_args)
@@ -184,7 +232,7 @@ class VllmEngine:
         with warnings.catch_warnings():  # vLLM's import trips torch FutureWarnings
             warnings.simplefilter("ignore", FutureWarning)
             from vllm import AsyncEngineArgs
-            from vllm.config import KVEventsConfig, KVTransferConfig
+            from vllm.config import KVEventsConfig, KVTransferConfig, StructuredOutputsConfig
             from vllm.platforms import current_platform
             from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -204,6 +252,17 @@ class VllmEngine:
             )
         if self.args.kv_transfer_config:
             kwargs["kv_transfer_config"] = KVTransferConfig(**self.args.kv_transfer_config)
+        if "enable_logging_iteration_details" in getattr(AsyncEngineArgs, "__dataclass_fields__",
+                                                         {}):
+            # What each step computed, for the step timings in ``load()`` (vLLM logs them
+            # only with its own stat loggers on, at INFO).
+            kwargs.setdefault("enable_logging_iteration_details", True)
+        if self.args.structured_outputs_backend != "none":
+            kwargs["structured_outputs_config"] = StructuredOutputsConfig(
+                backend=self.args.structured_outputs_backend,
+                disable_any_whitespace=self.args.structured_outputs_disable_any_whitespace,
+                disable_additional_properties=(
+                    self.args.structured_outputs_disable_additional_properties))
         try:
             engine_args = AsyncEngineArgs(**kwargs)
         except TypeError as exc:
@@ -216,6 +275,7 @@ class VllmEngine:
         if self._llm is not None:
             return
         began = time.monotonic()
+        progress.report("loading", f"vLLM engine for {self.args.model}: importing vLLM")
         helpers_before = set(vllm_descendants())
         built: list[Any] = []  # not a return value: a thread pool future would keep it alive
         building = asyncio.get_running_loop().run_in_executor(
@@ -241,6 +301,8 @@ class VllmEngine:
         self._max_model_len = int(llm.model_config.max_model_len)
         self._num_blocks[0] = int(llm.vllm_config.cache_config.num_gpu_blocks or 0)
         self._tracker.set_total(self._num_blocks[0])
+        self._tracker.set_max_batched_tokens(
+            int(llm.vllm_config.scheduler_config.max_num_batched_tokens or 0))
         self._start_seconds = time.monotonic() - began
         log.info(
             "vLLM engine ready in %.1fs: model %s, %d KV blocks of %d tokens, context %d",
@@ -264,7 +326,8 @@ class VllmEngine:
             handler.cancel()
             await asyncio.wait([handler], timeout=SHUTDOWN_TIMEOUT_S)
         try:
-            await asyncio.wait_for(asyncio.to_thread(llm.shutdown, 1.0), SHUTDOWN_TIMEOUT_S)
+            await asyncio.wait_for(asyncio.to_thread(llm.shutdown, ENGINE_EXIT_WAIT_S),
+                                   SHUTDOWN_TIMEOUT_S)
         finally:
             reaper, self._reaper = self._reaper, None
             if reaper is not None:
@@ -310,43 +373,96 @@ class VllmEngine:
 
         if request_id in self._in_flight:
             raise InvalidRequest(f"request id {request_id!r} is already in flight")
-        params = _to_sampling_params(sampling, kv_transfer_params)
+        if sampling.structured_outputs is not None and (
+                self.args.structured_outputs_backend == "none"):
+            raise InvalidRequest("this worker has structured outputs turned off "
+                                 "(structured-outputs-backend: none)", param="response_format")
         try:
-            (engine_input,) = self._llm.renderer.render_cmpl(
-                [TokensPrompt(prompt_token_ids=list(prompt_token_ids))]
-            )
+            params = _to_sampling_params(sampling, kv_transfer_params)
         except VLLMClientError as exc:
-            raise InvalidRequest(str(exc)) from exc
-        stream = self._llm.generate(engine_input, params, request_id)
+            raise _invalid(exc) from exc
+        try:
+            prompt = TokensPrompt(prompt_token_ids=list(prompt_token_ids))
+            if sampling.cache_salt:
+                prompt["cache_salt"] = sampling.cache_salt
+            (engine_input,) = self._llm.renderer.render_cmpl([prompt])
+        except VLLMClientError as exc:
+            raise _invalid(exc) from exc
+        priority = sampling.priority if self.args.scheduling_policy == "priority" else 0
+        self._tracker.request_arrived()
+        started = False
+        stream = self._llm.generate(engine_input, params, request_id, priority=priority)
         self._in_flight.add(request_id)
         try:
             async for out in stream:
-                yield _to_engine_output(out, len(prompt_token_ids))
+                if not started:
+                    started = True
+                    self._tracker.request_started()
+                for output in _to_engine_outputs(out, len(prompt_token_ids)):
+                    yield output
         except VLLMClientError as exc:
-            raise InvalidRequest(str(exc)) from exc
+            raise _invalid(exc) from exc
         except (InvalidRequest, EngineError, asyncio.CancelledError, GeneratorExit):
             raise
+        except ValueError as exc:  # vLLM's request validation (e.g. a bad JSON schema)
+            raise InvalidRequest(f"vLLM refused request {request_id}: {exc}") from exc
         except Exception as exc:
             raise EngineError(f"vLLM failed request {request_id}: {exc}") from exc
         finally:
             # Closing vLLM's generator aborts the request in the engine core if it
             # has not finished (consumer cancelled us or stopped iterating).
             self._in_flight.discard(request_id)
+            if not started:
+                self._tracker.request_started()
             await stream.aclose()
 
 
-def _to_engine_output(out: Any, num_prompt_tokens: int) -> EngineOutput:
-    completion = out.outputs[0]
-    reason = completion.finish_reason if out.finished else None
-    if reason == "error":
-        raise EngineError(f"vLLM reported an error for request {out.request_id}")
-    return EngineOutput(
-        token_ids=list(completion.token_ids),
-        finish_reason=_finish_reason(reason),
-        num_prompt_tokens=num_prompt_tokens,
-        num_cached_tokens=out.num_cached_tokens or 0,
-        kv_transfer_params=out.kv_transfer_params if out.finished else None,
-    )
+def _invalid(exc: Exception) -> InvalidRequest:
+    """vLLM's client errors as ours, keeping the parameter vLLM names."""
+    param = getattr(exc, "parameter", None)
+    return InvalidRequest(str(exc), param=param if isinstance(param, str) else None)
+
+
+def _to_engine_outputs(out: Any, num_prompt_tokens: int) -> list[EngineOutput]:
+    """One ``EngineOutput`` per choice in a vLLM ``RequestOutput`` (DELTA mode).
+
+    Runs per token: the plain case (one choice, no logprobs) passes no optional field.
+    """
+    prompt_logprobs = out.prompt_logprobs
+    cached = out.num_cached_tokens or 0
+    results = []
+    for completion in out.outputs:
+        reason = completion.finish_reason
+        if reason == "error":
+            raise EngineError(f"vLLM reported an error for request {out.request_id}")
+        kv = out.kv_transfer_params if reason is not None and out.finished else None
+        if not completion.index and completion.logprobs is None and not prompt_logprobs:
+            results.append(EngineOutput(
+                token_ids=list(completion.token_ids), finish_reason=_finish_reason(reason),
+                num_prompt_tokens=num_prompt_tokens, num_cached_tokens=cached,
+                kv_transfer_params=kv))
+            continue
+        results.append(EngineOutput(
+            token_ids=list(completion.token_ids), finish_reason=_finish_reason(reason),
+            num_prompt_tokens=num_prompt_tokens, num_cached_tokens=cached,
+            kv_transfer_params=kv, index=completion.index,
+            logprobs=None if completion.logprobs is None else _positions(completion.logprobs),
+            prompt_logprobs=_prompt_positions(prompt_logprobs) if prompt_logprobs else None))
+        prompt_logprobs = None  # once per request output
+    return results
+
+
+def _positions(flat: Any) -> list[tuple[list[int], list[float]]]:
+    """vLLM's ``FlatLogprobs`` -> (ids, logprobs) per position."""
+    ids, lps = flat.token_ids, flat.logprobs
+    return [(ids[a:b], lps[a:b])
+            for a, b in zip(flat.start_indices, flat.end_indices, strict=True)]
+
+
+def _prompt_positions(flat: Any) -> list[tuple[list[int], list[float], list[int]] | None]:
+    ids, lps, ranks = flat.token_ids, flat.logprobs, flat.ranks
+    return [(ids[a:b], lps[a:b], [r or 0 for r in ranks[a:b]]) if b > a else None
+            for a, b in zip(flat.start_indices, flat.end_indices, strict=True)]
 
 
 def _finish_reason(reason: str | None) -> FinishReason | None:

@@ -5,6 +5,17 @@ step with that step's ``SchedulerStats`` (running / waiting requests, KV cache u
 as a fraction, prefix cache queries and hits of the requests scheduled in the step).
 ``VllmEngine.load()`` reads the latest snapshot. vLLM marks this interface unstable.
 
+Speeds (for the Router's time cost, ``dynagraph.llm.router.rates``): with vLLM's
+``enable_logging_iteration_details`` each step's stats also say what the step computed
+(prompt tokens, decoding requests). A step's duration is the time from the previous
+step's record (the engine was still busy then) or, after the engine went idle, from
+the first request's arrival (``request_arrived``), to this record: measured where the
+stats arrive, so it holds whichever process runs the engine core (vLLM's own
+``elapsed_ms`` only times the forward pass when the core has a separate worker
+process). The tracker adds each step to the prefill or the decode counters of
+``EngineLoad``. ``requests_total`` counts ``request_arrived`` calls, ``prefilling`` the
+requests between that and their first output.
+
 The same hook sees the KV connector's per-step stats (``SchedulerStats.kv_connector_stats``:
 vLLM's NixlConnector reports one ``bytes_transferred`` / ``transfer_duration`` pair per
 finished NIXL transfer); :func:`kv_transfers` extracts them and the tracker passes each
@@ -14,6 +25,7 @@ to its ``on_kv_transfer`` listener (the decode worker's transfer metrics).
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -21,31 +33,80 @@ from dynagraph.llm.engines.base import EngineLoad
 
 
 class LoadTracker:
-    """Latest scheduler numbers, written by vLLM's stat logger hook, read by ``load()``."""
+    """Latest scheduler numbers, written by vLLM's stat logger hook, read by ``load()``.
 
-    def __init__(self) -> None:
+    ``clock`` (monotonic seconds) is injectable for tests.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._lock = threading.Lock()
+        self._clock = clock
         self._load = EngineLoad()
+        self._step_from: float | None = None
+        """When the engine's next step began: the previous record while it stays busy,
+        else the first arrival after it went idle (``None``: idle, nothing arrived)."""
         self.on_kv_transfer: Callable[[int, float], None] | None = None
         """Called with (bytes, seconds) for each finished KV transfer into this engine."""
 
     def update(
-        self, *, running: int, waiting: int, kv_usage: float, queries: int, hits: int, total: int
+        self, *, running: int, waiting: int, kv_usage: float, queries: int, hits: int, total: int,
+        prefill_tokens: int | None = None, decode_seqs: int = 0,
     ) -> None:
+        """One stats record. ``prefill_tokens`` / ``decode_seqs``: what the step that
+        produced it computed (``None``: not known, the step is not timed)."""
+        now = self._clock()
         with self._lock:
             prev = self._load
-            self._load = EngineLoad(
-                running=running,
-                waiting=waiting,
-                kv_blocks_used=round(kv_usage * total),
-                kv_blocks_total=total,
-                prefix_cache_queries=prev.prefix_cache_queries + queries,
-                prefix_cache_hits=prev.prefix_cache_hits + hits,
-            )
+            fields: dict[str, Any] = {
+                "running": running,
+                "waiting": waiting,
+                "kv_blocks_used": round(kv_usage * total),
+                "kv_blocks_total": total,
+                "prefix_cache_queries": prev.prefix_cache_queries + queries,
+                "prefix_cache_hits": prev.prefix_cache_hits + hits,
+            }
+            if prefill_tokens is not None:
+                began = self._step_from
+                seconds = now - began if began is not None else 0.0
+                if began is not None and seconds > 0:
+                    if prefill_tokens > 0:
+                        fields["prefill_tokens_total"] = prev.prefill_tokens_total + prefill_tokens
+                        fields["prefill_seconds_total"] = prev.prefill_seconds_total + seconds
+                    elif decode_seqs > 0:
+                        fields["decode_steps_total"] = prev.decode_steps_total + 1
+                        fields["decode_seconds_total"] = prev.decode_seconds_total + seconds
+            # The next step starts now if the engine has work (or a request is on its way
+            # to it); an idle engine's next step starts when a request arrives.
+            if running + waiting > 0 or prev.prefilling > 0:
+                if prefill_tokens is not None:
+                    self._step_from = now
+            else:
+                self._step_from = None
+            self._load = prev.model_copy(update=fields)
+
+    def request_arrived(self) -> None:
+        """A request was handed to the engine (before its first output)."""
+        now = self._clock()
+        with self._lock:
+            if self._step_from is None:
+                self._step_from = now
+            load = self._load
+            self._load = load.model_copy(update={"prefilling": load.prefilling + 1,
+                                                 "requests_total": load.requests_total + 1})
+
+    def request_started(self) -> None:
+        """A request that arrived got its first output (or left without one)."""
+        with self._lock:
+            n = max(self._load.prefilling - 1, 0)
+            self._load = self._load.model_copy(update={"prefilling": n})
 
     def set_total(self, total: int) -> None:
         with self._lock:
             self._load = self._load.model_copy(update={"kv_blocks_total": total})
+
+    def set_max_batched_tokens(self, tokens: int) -> None:
+        with self._lock:
+            self._load = self._load.model_copy(update={"max_num_batched_tokens": tokens})
 
     def get(self) -> EngineLoad:
         with self._lock:
@@ -95,6 +156,9 @@ def make_stat_logger_factory(tracker: LoadTracker, num_blocks: list[int]) -> Any
                 return
             total = num_blocks[0] or (self._config.cache_config.num_gpu_blocks or 0)
             pcs = scheduler_stats.prefix_cache_stats
+            details = getattr(scheduler_stats, "iteration_details", None)
+            if details is not None and details.is_dummy:
+                details = None
             tracker.update(
                 running=scheduler_stats.num_running_reqs,
                 waiting=scheduler_stats.num_waiting_reqs + scheduler_stats.num_skipped_waiting_reqs,
@@ -102,6 +166,8 @@ def make_stat_logger_factory(tracker: LoadTracker, num_blocks: list[int]) -> Any
                 queries=pcs.queries if pcs is not None else 0,
                 hits=pcs.hits if pcs is not None else 0,
                 total=total,
+                prefill_tokens=details.num_ctx_tokens if details is not None else None,
+                decode_seqs=details.num_generation_requests if details is not None else 0,
             )
             tracker.kv_connector_stats(scheduler_stats.kv_connector_stats)
 

@@ -7,14 +7,15 @@ from collections.abc import Mapping
 
 import msgspec
 from pydantic import ValidationError
-from starlette.responses import Response
 
 from dynagraph.errors import (
     InstanceUnavailable,
     InvalidRequest,
     NoInstancesError,
     RemoteError,
+    RequestShed,
 )
+from dynagraph.llm.http.asgi import Response
 from dynagraph.llm.protocol import ErrorInfo, ErrorResponse
 
 log = logging.getLogger(__name__)
@@ -36,10 +37,12 @@ class HTTPError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.info = ErrorInfo(message=message, type=type, param=param, code=code)
+        self.headers = dict(headers or {})
 
 
 def error_body(info: ErrorInfo) -> ErrorResponse:
@@ -84,8 +87,14 @@ def from_exception(exc: BaseException) -> HTTPError:
     """Map an error raised by the backend to its HTTP status and OpenAI error."""
     if isinstance(exc, HTTPError):
         return exc
+    if isinstance(exc, RequestShed):
+        return HTTPError(429, str(exc), type="rate_limit_exceeded", code=exc.code,
+                         headers={"retry-after": str(max(1, int(exc.retry_after)))})
+    if isinstance(exc, InvalidRequest) and (exc.code == "forged_tenant"):
+        return HTTPError(403, str(exc), type="permission_error", param=exc.param, code=exc.code)
     if isinstance(exc, InvalidRequest):
-        return HTTPError(400, str(exc), param=exc.param, code=exc.code)
+        status = 404 if exc.code == "model_not_found" else 400
+        return HTTPError(status, str(exc), param=exc.param, code=exc.code)
     if isinstance(exc, NoInstancesError | InstanceUnavailable):
         return HTTPError(
             503,

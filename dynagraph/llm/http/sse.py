@@ -13,10 +13,18 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 
 import msgspec
-from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
 
-from dynagraph.llm.protocol import ErrorResponse, Usage
+from dynagraph.llm.http.asgi import Receive, Response, Scope, Send
+from dynagraph.llm.protocol import (
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatDelta,
+    CompletionChoice,
+    CompletionResponse,
+    ErrorResponse,
+    TextChunk,
+    Usage,
+)
 
 log = logging.getLogger(__name__)
 
@@ -152,12 +160,10 @@ class DisconnectWatch:
 class SSEResponse(Response):
     """Streams ``body`` as ``text/event-stream``, cancelling it if the client disconnects.
 
-    Unlike Starlette's StreamingResponse it iterates ``body`` in the request's own task,
+    It iterates ``body`` in the request's own task,
     always closes it, then awaits ``on_close(disconnected)`` exactly once, even if the
     body never started (so the caller settles the request in one place).
     """
-
-    media_type = "text/event-stream"
 
     def __init__(
         self,
@@ -166,23 +172,17 @@ class SSEResponse(Response):
         headers: Mapping[str, str] | None = None,
         on_close: Callable[[bool], Awaitable[None]] | None = None,
     ) -> None:
+        super().__init__(b"", 200, headers={"cache-control": "no-cache", **(headers or {})},
+                         media_type="text/event-stream")
         self.body_iterator = body
-        self.status_code = 200
-        self.background = None
         self._on_close = on_close
-        self.init_headers({"cache-control": "no-cache", **(headers or {})})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         disconnected = False
         try:
             async with DisconnectWatch(receive):
-                await send(
-                    {
-                        "type": "http.response.start",
-                        "status": self.status_code,
-                        "headers": self.raw_headers,
-                    }
-                )
+                await send({"type": "http.response.start", "status": self.status,
+                            "headers": self.raw_headers()})
                 async for chunk in self.body_iterator:
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -196,3 +196,49 @@ class SSEResponse(Response):
                 await aclose()
             if self._on_close is not None:
                 await self._on_close(disconnected)
+
+
+class ChoiceStreamEncoder:
+    """Encodes chunks of requests beyond the fast path: several choices (``index``),
+    ``logprobs``, ``tool_calls``, continuous usage. Built from the response Structs per
+    chunk (only requests that asked for these features pay for it)."""
+
+    def __init__(self, endpoint: str, response_id: str, model: str, created: int, *,
+                 include_usage: bool, continuous_usage: bool) -> None:
+        self._chat = endpoint == "chat"
+        self._id = response_id
+        self._model = model
+        self._created = created
+        self._include_usage = include_usage
+        self._continuous = continuous_usage
+        self._role_sent: set[int] = set()
+
+    def chunk(self, c: TextChunk) -> bytes:
+        usage = Usage.of(c.prompt_tokens, c.completion_tokens, None) if self._continuous else None
+        body: ChatCompletionChunk | CompletionResponse
+        if self._chat:
+            delta = ChatDelta(tool_calls=c.tool_calls)
+            if c.index not in self._role_sent:
+                self._role_sent.add(c.index)
+                delta.role = "assistant"
+            if c.text or (c.tool_calls is None and c.finish_reason is None):
+                delta.content = c.text
+            body = ChatCompletionChunk(
+                id=self._id, created=self._created, model=self._model, usage=usage,
+                choices=[ChatChunkChoice(index=c.index, delta=delta,
+                                         finish_reason=c.finish_reason, logprobs=c.logprobs)])
+        else:
+            body = CompletionResponse(
+                id=self._id, created=self._created, model=self._model, usage=usage,
+                choices=[CompletionChoice(index=c.index, text=c.text,
+                                          finish_reason=c.finish_reason, logprobs=c.logprobs)])
+        data = msgspec.to_builtins(body)
+        if usage is None and not self._include_usage:
+            del data["usage"]
+        return sse_event(_encode(data))
+
+    def usage(self, usage: Usage) -> bytes:
+        """The final event of a stream with ``stream_options.include_usage``."""
+        obj = "chat.completion.chunk" if self._chat else "text_completion"
+        return sse_event(_encode({"id": self._id, "object": obj, "created": self._created,
+                                  "model": self._model, "choices": [], "usage": usage}))

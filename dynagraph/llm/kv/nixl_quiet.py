@@ -1,32 +1,22 @@
-"""vLLM's ``NixlConnector`` with NIXL's progress thread asleep when idle.
+"""vLLM's ``NixlConnector`` with NIXL's progress thread asleep while idle.
 
-vLLM creates its NIXL agent with the default ``nixl_agent_config``: progress thread on,
-and ``nixl._api`` hard-codes its poll delay ``pthrDelay = 0``, so the thread busy-spins
-and each NIXL-enabled engine burns ~100% of a core while idle.
+vLLM makes its NIXL agents with ``nixl._api``'s hard-coded ``pthrDelay = 0``: the
+progress thread busy-spins, a full core per engine while idle. The thread waits on UCX
+event file descriptors and uses the delay only as a poll timeout, so a non-zero delay
+keeps it event-driven: a 2 MiB READ with notification still completes in ~0.2 ms, at
+< 0.01 cores idle (``benchmarks/nixl_progress.py``). The thread must stay on: without it
+the first transfer into an idle engine never completes (nobody polls its agent).
 
-What was measured here (``benchmarks/nixl_progress.py``): the
-UCX progress thread waits on the workers' event file descriptors and only uses
-``pthrDelay`` as its poll timeout, so a non-zero delay keeps it event-driven: a 2 MiB
-READ with a completion notification still finishes in ~0.1 ms while the thread costs
-~0.01 cores when idle. Without the thread (what this module did first) a READ with a
-notification completes only when *both* agents are polled, i.e. at the pace of the
-prefill and decode engines' steps: 2-5 ms per transfer instead of 0.2 ms.
-
-So this module, imported by vLLM inside each engine-core process (name it as the
-connector's module path; the class keeps the name ``NixlConnector`` so vLLM's own
-``has_connector("NixlConnector")`` checks still hold)::
+vLLM imports this module inside each engine-core process (name it as the connector's
+module path; the class keeps the name ``NixlConnector`` so vLLM's own
+``has_connector("NixlConnector")`` checks hold)::
 
     kv_transfer_config = {"kv_connector": "NixlConnector",
                           "kv_connector_module_path": "dynagraph.llm.kv.nixl_quiet", ...}
 
-replaces that hard-coded 0 by ``DYNAGRAPH_NIXL_PROGRESS_DELAY_US`` (set by
-``nixl_side.prepare_nixl`` from the components' ``nixl-progress-delay-us``; default
-10000); ``0`` keeps NIXL's busy-spinning default.
-
-Turning the thread off is not offered: besides slow transfers, an idle prefill engine
-(no steps, so no polling) then never answers UCX's connection wire-up, and the first
-remote prefill after start-up hung until its KV expired (seen with vLLM's engine core in
-its own process, the production set-up).
+The delay comes from ``DYNAGRAPH_NIXL_PROGRESS_DELAY_US`` (set by
+``nixl_side.prepare_nixl`` from ``nixl-progress-delay-us``; default 10000; 0 keeps
+NIXL's busy-spin).
 """
 
 from __future__ import annotations
@@ -73,10 +63,9 @@ LISTENER_JOIN_S = 1.5
 class NixlConnector(_VllmNixlConnector):
     """vLLM's NixlConnector; importing this module removed the idle busy-spin.
 
-    ``shutdown`` also bounds the wait for vLLM's handshake-listener thread: vLLM joins
-    it without a timeout and, seen here, that join outlasts the engine's 5 s shutdown
-    budget, so every NIXL engine was force-killed on exit. The thread is a daemon; after
-    ``LISTENER_JOIN_S`` it is left to die with the process.
+    ``shutdown`` bounds the join of vLLM's handshake-listener thread (a daemon): vLLM's
+    unbounded join outlasted the engine's 5 s shutdown budget, so every NIXL engine was
+    force-killed on exit.
     """
 
     def shutdown(self) -> None:

@@ -6,10 +6,15 @@ side channel from ``VLLM_NIXL_SIDE_CHANNEL_HOST`` / ``_PORT`` in its engine-core
 process, which inherits this process's environment, so :func:`prepare_nixl` must run
 before the engine starts.
 
+The side channel binds this host's address (``DYNAMO_HOST``, default 127.0.0.1; see
+``dynagraph.runtime.addresses``), so a decode engine on another host can reach it.
+
 Both values are published under the instance's etcd lease at
 ``/{namespace}/nixl/{component}/{instance_id:x}`` (:func:`nixl_key`), so they vanish
-with the process. The decode worker does not need to look them up: the prefill
-engine's ``kv_transfer_params`` carry them. They are there for operators and tests.
+with the process. These records are how peers find each other's agents: a decode worker
+takes the prefill engine's side channel from the prefill instance's record
+(``dynagraph.llm.kv.nixl_peers``), not from the host and port inside the prefill
+engine's ``kv_transfer_params``.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 from dynagraph.errors import ConfigError
+from dynagraph.runtime.addresses import host_from_env
 from dynagraph.runtime.infra import free_port
 
 Role = Literal["kv_producer", "kv_consumer", "kv_both"]
@@ -27,21 +33,16 @@ QUIET_MODULE = "dynagraph.llm.kv.nixl_quiet"
 """Connector module that removes NIXL's idle busy-spin (see ``nixl_quiet``)."""
 
 IN_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
-"""``0`` (set by :func:`prepare_nixl` unless already set): vLLM runs a NIXL engine's model
-runner inside its engine-core process (the single-process executor) instead of in a
-separate worker process. With the separate worker process (CPU, one core bound per
-engine) the decode worker's NIXL handshake stalled until the prefill side's 30 s KV lease
-ran out, on every remote prefill (``disagg`` and ``disagg_router`` served by ``dynamo
-serve``; py-spy: the worker's main thread stuck starting the handshake thread); with the
-model runner in the engine-core process: 0.27 s for the first, then ~0.06 s. (vLLM's
-``AsyncLLM`` keeps its engine core in a process of its own either way.)"""
+"""``0`` (set by :func:`prepare_nixl` unless already set): vLLM's single-process executor,
+the model runner inside the engine-core process. With a separate worker process per
+engine (one core bound each) every remote prefill's NIXL handshake waited out the
+prefill side's 30 s KV lease; in-process it takes ~0.3 s once, then ~0.06 s.
+(``AsyncLLM`` keeps its engine core in a process of its own either way.)"""
 
 DELAY_ENV = "DYNAGRAPH_NIXL_PROGRESS_DELAY_US"
 """How ``nixl_quiet`` (in the engine-core process) learns the progress thread's delay."""
 DEFAULT_DELAY_US = 10_000
 """The NIXL progress thread's poll timeout; it wakes on UCX events before that."""
-
-HOST = "127.0.0.1"
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,7 @@ def prepare_nixl(
     base: dict[str, Any] | None = None,
     progress_delay_us: int = DEFAULT_DELAY_US,
     port: int | None = None,
+    host: str | None = None,
 ) -> tuple[dict[str, Any], NixlEndpoint]:
     """The ``kv_transfer_config`` for a NixlConnector engine, and its endpoint.
 
@@ -106,7 +108,8 @@ def prepare_nixl(
     (see ``IN_PROCESS_ENV``) in ``os.environ`` (side effect).
     ``base`` (the user's ``kv-transfer-config``) wins over the defaults here, except that
     the role and engine id are always ours. A consumer recomputes locally if a KV load
-    fails, so a request survives a prefill worker dying after its hand-off.
+    fails, so a request survives a prefill worker dying after its hand-off. The side
+    channel binds ``host`` (default: this host's address, ``DYNAMO_HOST``).
     """
     cfg: dict[str, Any] = {
         "kv_connector": "NixlConnector",
@@ -122,9 +125,10 @@ def prepare_nixl(
         )
     cfg["kv_role"] = role
     cfg["engine_id"] = engine_id
-    port = port or free_port(HOST)
-    os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = HOST
+    host = host or host_from_env()
+    port = port or free_port(host)
+    os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = host
     os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port)
     os.environ[DELAY_ENV] = str(progress_delay_us)
     os.environ.setdefault(IN_PROCESS_ENV, "0")
-    return cfg, NixlEndpoint(engine_id=engine_id, host=HOST, port=port, role=role)
+    return cfg, NixlEndpoint(engine_id=engine_id, host=host, port=port, role=role)

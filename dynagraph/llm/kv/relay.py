@@ -1,6 +1,11 @@
-"""KV event relay: vLLM's ZMQ KV events -> this worker's block set -> subscribers.
+"""KV event relay: an engine's KV events -> this worker's block set -> subscribers.
 
-Lives in the worker process. Who does what::
+``KvEventFeed`` is the engine-independent part: fed lists of events (``publish``), it
+keeps the block set and streams a snapshot then net deltas to each subscriber. The
+mocker's worker feeds it straight from ``MockerEngine(on_kv_events=feed.publish)``;
+``KvEventRelay`` is a feed that receives vLLM's events over ZMQ.
+
+Lives in the worker process. Who does what (vLLM)::
 
     vLLM engine core --PUB (connects)--> SUB bound on tcp://127.0.0.1:<free port>
         -> KvEventRelay (decode with ``dynagraph.llm.router.events``)
@@ -150,7 +155,7 @@ class RelaySubscription:
     :meth:`close` (or use ``async with``) when done so the relay forgets it.
     """
 
-    def __init__(self, relay: KvEventRelay, queue_size: int) -> None:
+    def __init__(self, relay: KvEventFeed, queue_size: int) -> None:
         self._relay = relay
         self._queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=queue_size)
 
@@ -187,8 +192,57 @@ class RelaySubscription:
         self.close()
 
 
-class KvEventRelay:
-    """Receives one vLLM engine's KV events and fans them out to subscribers.
+class KvEventFeed:
+    """One engine's block set and its subscribers; fed with lists of events.
+
+    ``publish(events)`` applies one batch of events (in order) to the block set and
+    sends the net change to every subscriber; ``subscribe()`` per ``kv_events`` caller;
+    ``end()`` ends every subscriber's stream. Single event loop, no I/O of its own.
+    """
+
+    def __init__(self, *, queue_size: int = DEFAULT_QUEUE_SIZE) -> None:
+        self._queue_size = queue_size
+        self.blocks = BlockSet()
+        self.stats = RelayStats()
+        self.seq = 0
+        self._subscribers: set[RelaySubscription] = set()
+
+    def subscribe(self) -> RelaySubscription:
+        """A new stream whose first item is a snapshot of the current block set."""
+        sub = RelaySubscription(self, self._queue_size)
+        sub._put(self._snapshot())
+        self._subscribers.add(sub)
+        return sub
+
+    def num_subscribers(self) -> int:
+        return len(self._subscribers)
+
+    def _snapshot(self) -> RelayBatch:
+        return RelayBatch(seq=self.seq, snapshot=True, stored=self.blocks.hashes())
+
+    def publish(self, events: Iterable[KvEvent]) -> RelayBatch | None:
+        """Apply one batch of events; returns what was sent (None: no net change)."""
+        delta = self.blocks.apply(events)
+        if not delta:
+            return None
+        self.seq += 1
+        out = RelayBatch(seq=self.seq, cleared=delta.cleared, stored=delta.stored,
+                         removed=delta.removed)
+        for sub in list(self._subscribers):
+            if not sub._put(out):
+                self.stats.resyncs += 1
+                sub._reset(self._snapshot())
+        return out
+
+    def end(self) -> None:
+        """End every subscriber's stream (their iterations stop). Idempotent."""
+        for sub in list(self._subscribers):
+            sub._reset(_CLOSED)
+        self._subscribers.clear()
+
+
+class KvEventRelay(KvEventFeed):
+    """Receives one vLLM engine's KV events over ZMQ and fans them out to subscribers.
 
     Used by the worker: ``endpoint = relay.bind()`` before the engine starts (hand the
     endpoint to vLLM as ``kv_events_endpoint``), ``await relay.start()``, then
@@ -200,14 +254,10 @@ class KvEventRelay:
                  hasher: BlockHasher | None = None) -> None:
         if host != "127.0.0.1" and host != "localhost":
             raise ValueError(f"the KV event relay binds to 127.0.0.1 only, not {host!r}")
+        super().__init__(queue_size=queue_size)
         self._host = host
-        self._queue_size = queue_size
         self._hasher = hasher
-        self.blocks = BlockSet()
-        self.stats = RelayStats()
-        self.seq = 0
         self._last_vllm_seq: int | None = None
-        self._subscribers: set[RelaySubscription] = set()
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task[None] | None = None
@@ -239,19 +289,6 @@ class KvEventRelay:
         if self._task is None:
             self._task = asyncio.create_task(self._receive(), name="kv-event-relay")
 
-    def subscribe(self) -> RelaySubscription:
-        """A new stream whose first item is a snapshot of the current block set."""
-        sub = RelaySubscription(self, self._queue_size)
-        sub._put(self._snapshot())
-        self._subscribers.add(sub)
-        return sub
-
-    def num_subscribers(self) -> int:
-        return len(self._subscribers)
-
-    def _snapshot(self) -> RelayBatch:
-        return RelayBatch(seq=self.seq, snapshot=True, stored=self.blocks.hashes())
-
     def handle_frames(self, frames: list[bytes]) -> RelayBatch | None:
         """Process one received vLLM batch (public for tests); returns what was published."""
         verify = self._hasher is not None and self.stats.hashes_verified is None
@@ -271,17 +308,7 @@ class KvEventRelay:
             self._last_vllm_seq = batch.seq
         if verify:
             self._verify(batch.events)
-        delta = self.blocks.apply(batch.events)
-        if not delta:
-            return None
-        self.seq += 1
-        out = RelayBatch(seq=self.seq, cleared=delta.cleared, stored=delta.stored,
-                         removed=delta.removed)
-        for sub in list(self._subscribers):
-            if not sub._put(out):
-                self.stats.resyncs += 1
-                sub._reset(self._snapshot())
-        return out
+        return self.publish(batch.events)
 
     def _verify(self, events: list[KvEvent]) -> None:
         assert self._hasher is not None
@@ -315,9 +342,7 @@ class KvEventRelay:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.wait_for(task, 5)
-        for sub in list(self._subscribers):
-            sub._reset(_CLOSED)
-        self._subscribers.clear()
+        self.end()
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
@@ -326,18 +351,24 @@ class KvEventRelay:
             self._ctx = None
 
 
-async def load_snapshots(load: Callable[[], EngineLoad],
-                         interval: float = 0.1) -> AsyncIterator[EngineLoad]:
+async def load_snapshots(load: Callable[[], EngineLoad], interval: float = 0.1, *,
+                         changes_only: bool = False) -> AsyncIterator[EngineLoad]:
     """``load()`` now and then every ``interval`` seconds, on a fixed schedule.
 
     The schedule does not drift (a slow consumer delays, never bunches, the next
-    sample). Runs until the consumer stops iterating.
+    sample). With ``changes_only`` a sample equal to the last one yielded is skipped
+    (an idle engine's stream goes quiet; the request plane's heartbeats keep it alive).
+    Runs until the consumer stops iterating.
     """
     if interval <= 0:
         raise ValueError(f"interval must be positive, got {interval}")
     next_at = time.monotonic()
+    last: EngineLoad | None = None
     while True:
-        yield load()
+        now = load()
+        if not changes_only or now != last:
+            last = now
+            yield now
         next_at += interval
         delay = next_at - time.monotonic()
         if delay < 0:

@@ -3,15 +3,17 @@
     hashing  BlockHasher          token ids -> vLLM's chained block hashes (64-bit)
     events   decode_frames/...    vLLM ZMQ KV event frames -> typed events -> index
     index    PrefixIndex          block hash -> bitmask of workers; find_matches
-    cost     choose_worker        overlaps + loads + request length + RNG -> Decision
-    state    RouterState          the index, loads and in-flight requests; decide()
+    cost     choose_worker        overlaps + loads + request length + speeds + RNG -> Decision
+    rates    RateLearner          a worker's speeds, learned from its load samples
+    pending  WorkerQueue          the Router's forecast of a worker's prefill queue
+    state    RouterState          the index, loads, speeds and in-flight requests; decide()
 
 No I/O anywhere here: the component owns sockets, discovery and metrics.
 """
 
 from __future__ import annotations
 
-from .cost import Decision, RouterMode, WorkerLoad, choose_worker
+from .cost import CostModel, Decision, RouterMode, WorkerLoad, choose_worker, predicted_ttft
 from .events import (
     AllCleared,
     BlocksRemoved,
@@ -28,6 +30,8 @@ from .events import (
 )
 from .hashing import BlockHasher, external_hash, seed_from_env
 from .index import IndexStats, PrefixIndex
+from .pending import WorkerQueue
+from .rates import RateLearner, RatePriors, RobustEwma, WorkerRates
 from .state import RouteDecision, RouteRequest, RouterState
 
 __all__ = [
@@ -36,23 +40,30 @@ __all__ = [
     "BlocksRemoved",
     "BlocksStored",
     "BlocksStoredWithTokens",
+    "CostModel",
     "Decision",
     "EventBatch",
     "IndexStats",
     "KvEvent",
     "KvEventDecodeError",
     "PrefixIndex",
+    "RateLearner",
+    "RatePriors",
     "RelayBatch",
     "RouteDecision",
     "RouteRequest",
     "RouterState",
     "RouterMode",
+    "RobustEwma",
     "WorkerLoad",
+    "WorkerQueue",
+    "WorkerRates",
     "apply_events",
     "choose_worker",
     "decode_frames",
     "decode_payload",
     "external_hash",
     "hashes_agree",
+    "predicted_ttft",
     "seed_from_env",
 ]

@@ -1,17 +1,40 @@
-"""The router's choice: a pure function of overlaps, loads, request length and an RNG.
+"""The router's choice: a pure function of overlaps, loads, request length, speeds and an RNG.
 
-Modes (``RouterMode``):
+Modes (``RouterMode``) and, for the KV modes, cost models (``CostModel``):
 
-``kv``
-    Dynamo's cost, lowest wins::
+``kv`` with the ``time`` cost model (the default): the predicted time to first token,
+in seconds, lowest wins. For worker ``w`` with learned speeds
+(``dynagraph.llm.router.rates``: ``p`` seconds per prompt token computed, ``d``
+seconds per decode step, ``C`` prompt tokens per step at most)::
 
-        prefill_blocks = request_blocks - overlap        # blocks this worker must compute
-        decode_blocks  = active_blocks + request_blocks  # blocks it holds while decoding
-        cost = overlap_weight * prefill_blocks + decode_blocks
+    cached  = min(overlap_blocks, request_blocks) * block_size
+    uncached = max(prompt_tokens - cached, 1)      # vLLM always computes the last token
+    own     = uncached * p                         # this request's prefill
+    queue   = queued_tokens * p                    # prompt tokens the worker computes first
+    steps   = ceil((queued_tokens + uncached) / C)
+    decode  = steps * d  if the worker is decoding anything, else 0
+    cost    = overlap_weight * own + queue + decode
 
-    ``overlap_weight`` > 1 favours cache hits (TTFT), < 1 favours balance (ITL).
+  Every term is in seconds, so nothing needs tuning: a cached prefix is worth exactly
+  the prefill time it saves, against the time spent waiting behind other work.
+  ``overlap_weight`` (default 1) stays as an override: > 1 favours cache hits more than
+  their time is worth (e.g. to keep a prefix on one worker), < 1 favours spreading.
+
+  Extension point for KV held outside the engine (pooled / offloaded blocks, tenants'
+  salted prefixes): ``tiers`` gives, per worker, blocks *beyond* its on-engine prefix
+  that it can load from a named tier instead of computing them, and ``tier_prices`` the
+  seconds to load one block from that tier; such blocks cost their price instead of
+  ``block_size * p`` in ``own``. Nothing publishes tiers yet.
+
+``kv`` with the ``blocks`` cost model: Dynamo's block count, lowest wins::
+
+    prefill_blocks = request_blocks - overlap        # blocks this worker must compute
+    decode_blocks  = active_blocks + request_blocks  # blocks it holds while decoding
+    cost = overlap_weight * prefill_blocks + decode_blocks
+
 ``kv-load``
-    Load only: ``cost = active_blocks + request_blocks``; the cache is ignored.
+    The cache is ignored: the ``time`` cost with no cached tokens, or, with ``blocks``,
+    ``active_blocks + request_blocks``.
 ``round-robin``
     Live workers in ascending id order, one after the other (``RoundRobin``).
 ``random``
@@ -36,6 +59,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from dynagraph.errors import ConfigError, NoInstancesError
+from dynagraph.llm.router.rates import RatePriors, WorkerRates
 from dynagraph.runtime.round_robin import RoundRobin
 
 
@@ -46,12 +70,19 @@ class RouterMode(StrEnum):
     RANDOM = "random"
 
 
+class CostModel(StrEnum):
+    TIME = "time"
+    BLOCKS = "blocks"
+
+
 @dataclass(frozen=True)
 class WorkerLoad:
-    """A worker's load as last reported by its metrics."""
+    """A worker's load: as reported by its metrics and forecast by the Router."""
 
-    active_blocks: int = 0  # KV blocks referenced by running requests
-    waiting_requests: int = 0  # informational; not part of the cost yet
+    active_blocks: int = 0  # KV blocks referenced by running requests (``blocks`` model)
+    waiting_requests: int = 0  # informational
+    queued_tokens: float = 0.0  # prompt tokens it computes before a new request's (``time``)
+    decoding: int = 0  # sequences decoding: each prefill step also runs them (``time``)
 
 
 @dataclass(frozen=True)
@@ -59,10 +90,34 @@ class Decision:
     worker_id: int
     overlap_blocks: int  # the chosen worker's cached prefix, in blocks
     costs: dict[int, float] = field(default_factory=dict)  # per candidate; kv modes only
+    ttft_s: dict[int, float] = field(default_factory=dict)
+    """Predicted seconds to the first token per candidate (``time`` model only)."""
 
     @property
     def cost(self) -> float | None:
         return self.costs.get(self.worker_id)
+
+
+_PRIORS = RatePriors()
+DEFAULT_RATES = WorkerRates(_PRIORS.prefill_s_per_token, _PRIORS.decode_step_s,
+                            _PRIORS.chunk_tokens)
+"""Speeds of a worker nothing is known about."""
+
+
+def predicted_ttft(load: WorkerLoad, rates: WorkerRates, *, uncached_tokens: int,
+                   tier_seconds: float = 0.0, overlap_weight: float = 1.0) -> tuple[float, float]:
+    """(cost, predicted seconds to first token) of one worker under the ``time`` model.
+
+    ``uncached_tokens`` are the prompt tokens the worker must compute; ``tier_seconds``
+    the time to load the blocks it takes from other tiers instead.
+    """
+    p = rates.prefill_s_per_token
+    own = uncached_tokens * p + tier_seconds
+    queue = load.queued_tokens * p
+    work = load.queued_tokens + uncached_tokens
+    steps = math.ceil(work / rates.chunk_tokens) if rates.chunk_tokens > 0 else 1
+    decode = max(steps, 1) * rates.decode_step_s if load.decoding > 0 else 0.0
+    return overlap_weight * own + queue + decode, own + queue + decode
 
 
 def _argmin(costs: dict[int, float], rng: random.Random) -> int:
@@ -81,6 +136,21 @@ def _softmax_sample(costs: dict[int, float], temperature: float, rng: random.Ran
     return rng.choices(ids, weights=weights, k=1)[0]
 
 
+def _tier_cost(blocks_by_tier: Mapping[str, int], prices: Mapping[str, float],
+               max_blocks: int) -> tuple[int, float]:
+    """(blocks taken from tiers, seconds to load them), at most ``max_blocks``, cheapest
+    tier first; tiers without a price are ignored."""
+    taken, seconds = 0, 0.0
+    for tier in sorted(blocks_by_tier, key=lambda t: (prices.get(t, math.inf), t)):
+        price = prices.get(tier)
+        if price is None or taken >= max_blocks:
+            continue
+        n = min(max(blocks_by_tier[tier], 0), max_blocks - taken)
+        taken += n
+        seconds += n * price
+    return taken, seconds
+
+
 def choose_worker(
     mode: RouterMode | str,
     overlaps: Mapping[int, int],
@@ -91,19 +161,30 @@ def choose_worker(
     overlap_weight: float = 1.0,
     temperature: float = 0.0,
     rr_state: RoundRobin | None = None,
+    cost_model: CostModel | str = CostModel.TIME,
+    prompt_tokens: int | None = None,
+    block_size: int = 1,
+    rates: Mapping[int, WorkerRates] | None = None,
+    tiers: Mapping[int, Mapping[str, int]] | None = None,
+    tier_prices: Mapping[str, float] | None = None,
 ) -> Decision:
     """Pick the worker for one request. See the module docstring for each mode.
 
     ``overlaps`` comes from ``PrefixIndex.find_matches`` (absent = 0), ``loads`` has one
-    entry per live worker, ``request_blocks`` is the prompt's number of full blocks.
+    entry per live worker, ``request_blocks`` is the prompt's number of full blocks of
+    ``block_size`` tokens and ``prompt_tokens`` its length (default: the full blocks).
+    ``rates`` gives each worker's speeds (absent: ``DEFAULT_RATES``); ``tiers`` and
+    ``tier_prices`` price blocks held outside the engine (``time`` model only).
     Side effects: draws from ``rng``; advances ``rr_state`` in round-robin mode.
     Raises ``NoInstancesError`` when ``loads`` is empty.
     """
     try:
         mode = RouterMode(mode)
+        cost_model = CostModel(cost_model)
     except ValueError:
         raise ConfigError(
-            f"unknown router mode {mode!r}; use one of {[m.value for m in RouterMode]}",
+            f"unknown router mode {mode!r} or cost model {cost_model!r}; use one of "
+            f"{[m.value for m in RouterMode]} and {[c.value for c in CostModel]}",
             key="router-mode",
         ) from None
     if temperature < 0:
@@ -112,25 +193,41 @@ def choose_worker(
         raise NoInstancesError("no live worker to route to")
     candidates = sorted(loads)
 
+    def overlap(w: int) -> int:
+        return min(overlaps.get(w, 0), request_blocks)
+
     if mode is RouterMode.ROUND_ROBIN:
         if rr_state is None:
             raise ConfigError("round-robin mode needs an rr_state", key="router-mode")
         chosen = rr_state.pick(candidates)
-        return Decision(chosen, min(overlaps.get(chosen, 0), request_blocks))
+        return Decision(chosen, overlap(chosen))
     if mode is RouterMode.RANDOM:
         chosen = rng.choice(candidates)
-        return Decision(chosen, min(overlaps.get(chosen, 0), request_blocks))
+        return Decision(chosen, overlap(chosen))
 
     costs: dict[int, float] = {}
-    for w in candidates:
-        decode_blocks = loads[w].active_blocks + request_blocks
-        if mode is RouterMode.KV:
-            prefill_blocks = request_blocks - min(overlaps.get(w, 0), request_blocks)
-            costs[w] = overlap_weight * prefill_blocks + decode_blocks
-        else:
-            costs[w] = float(decode_blocks)
+    ttft: dict[int, float] = {}
+    use_cache = mode is RouterMode.KV
+    if cost_model is CostModel.TIME:
+        tokens = request_blocks * block_size if prompt_tokens is None else prompt_tokens
+        for w in candidates:
+            cached = overlap(w) if use_cache else 0
+            tier_blocks, tier_s = 0, 0.0
+            if use_cache and tiers and tier_prices and w in tiers:
+                tier_blocks, tier_s = _tier_cost(tiers[w], tier_prices, request_blocks - cached)
+            uncached = max(tokens - (cached + tier_blocks) * block_size, 1)
+            costs[w], ttft[w] = predicted_ttft(
+                loads[w], (rates or {}).get(w, DEFAULT_RATES), uncached_tokens=uncached,
+                tier_seconds=tier_s, overlap_weight=overlap_weight if use_cache else 1.0)
+    else:
+        for w in candidates:
+            decode_blocks = loads[w].active_blocks + request_blocks
+            if use_cache:
+                costs[w] = overlap_weight * (request_blocks - overlap(w)) + decode_blocks
+            else:
+                costs[w] = float(decode_blocks)
     if temperature == 0:
         chosen = _argmin(costs, rng)
     else:
         chosen = _softmax_sample(costs, temperature, rng)
-    return Decision(chosen, min(overlaps.get(chosen, 0), request_blocks), costs)
+    return Decision(chosen, overlap(chosen), costs, ttft)

@@ -101,23 +101,33 @@ class BlockHasher:
         """The full digest of one full block whose predecessor's digest is ``parent``."""
         return self._fn((parent or self.none_hash, tuple(tokens), None))
 
-    def digests(self, token_ids: Sequence[int], parent: bytes | None = None) -> list[bytes]:
-        """Digests of every full block of ``token_ids`` (a trailing partial block is ignored)."""
+    def digests(self, token_ids: Sequence[int], parent: bytes | None = None, *,
+                cache_salt: str | None = None) -> list[bytes]:
+        """Digests of every full block of ``token_ids`` (a trailing partial block is ignored).
+
+        ``cache_salt`` (a request's, as vLLM takes it) goes into the first block's extra
+        keys, so a salted prefix never matches an unsalted or differently salted one.
+        """
         bs = self.block_size
         fn = self._fn
         prev = parent or self.none_hash
+        extra: tuple[Any, ...] | None = (
+            (("cache_salt", cache_salt),) if cache_salt and parent is None else None)
         out: list[bytes] = []
         for start in range(0, len(token_ids) - bs + 1, bs):
-            prev = fn((prev, tuple(token_ids[start : start + bs]), None))
+            prev = fn((prev, tuple(token_ids[start : start + bs]), extra))
+            extra = None
             out.append(prev)
         return out
 
-    def block_hashes(self, token_ids: Sequence[int], parent: bytes | None = None) -> list[int]:
+    def block_hashes(self, token_ids: Sequence[int], parent: bytes | None = None, *,
+                     cache_salt: str | None = None) -> list[int]:
         """The 64-bit hashes vLLM's events report for the full blocks of ``token_ids``.
 
         This is the router's query key: ``PrefixIndex.find_matches(hasher.block_hashes(ids))``.
         """
-        return [int.from_bytes(d, "big") & _MASK64 for d in self.digests(token_ids, parent)]
+        return [int.from_bytes(d, "big") & _MASK64
+                for d in self.digests(token_ids, parent, cache_salt=cache_salt)]
 
     def num_full_blocks(self, num_tokens: int) -> int:
         return num_tokens // self.block_size

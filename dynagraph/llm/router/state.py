@@ -1,26 +1,33 @@
 """What the Router knows about its workers, and the messages of its endpoint. No I/O.
 
 ``RouterState`` gathers ``choose_worker``'s inputs: the prefix index (fed by each
-worker's KV events), the workers' reported load, and the requests in flight that the
-Router itself routed (``begin``/``end``), whose blocks count as a *predicted* prefix and
-as load before the worker's own events and metrics catch up. The Router component only
-feeds it and calls ``decide``.
+worker's KV events), the workers' reported load, each worker's learned speeds
+(``RateLearner``, fed by the same reports), and the requests in flight that the Router
+itself routed (``begin``/``end``): their blocks count as a *predicted* prefix and as
+load before the worker's own events and metrics catch up, and their prompt tokens as a
+forecast prefill queue (``WorkerQueue``). The component only feeds it and calls
+``decide``; times are passed in (``now``, seconds on one monotonic clock).
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Collection
 
 import msgspec
 
 from dynagraph.llm.engines.base import EngineLoad
-from dynagraph.llm.router.cost import Decision, RouterMode, WorkerLoad, choose_worker
+from dynagraph.llm.router.cost import CostModel, Decision, RouterMode, WorkerLoad, choose_worker
 from dynagraph.llm.router.events import RelayBatch
 from dynagraph.llm.router.index import PrefixIndex
+from dynagraph.llm.router.pending import WorkerQueue
+from dynagraph.llm.router.rates import RateLearner, RatePriors, WorkerRates, fleet_rates
+from dynagraph.llm.tenants.identity import TenantToken
+from dynagraph.llm.tenants.slo_admission import Pressure
 from dynagraph.runtime.round_robin import RoundRobin
 
 
-class RouteRequest(msgspec.Struct):
+class RouteRequest(msgspec.Struct, omit_defaults=True):
     """Processor -> Router: which worker for these prompt tokens?
 
     ``track``: keep the stream open until the caller closes it and count the request as
@@ -31,30 +38,43 @@ class RouteRequest(msgspec.Struct):
     token_ids: list[int]
     track: bool = False
     mode: RouterMode | None = None
+    workers: list[int] | None = None
+    """Choose among these workers only (those serving the request's model); None: any."""
+    tenant: TenantToken | None = None
+    """The caller (signed): its prefix is looked up under its cache salt."""
+    slo_class: str | None = None
+    """The request's SLO class: scales the cost's overlap weight (``class-overlap-weights``)."""
 
 
-class RouteDecision(msgspec.Struct):
+class RouteDecision(msgspec.Struct, omit_defaults=True):
     """Router -> Processor: the chosen worker (the stream's first and only item)."""
 
     worker_id: int
     overlap_blocks: int
     request_blocks: int
     mode: RouterMode
+    pressure: Pressure | None = None
+    """The candidates' load before this request (for SLO-aware admission)."""
 
 
 class RouterState:
     """Everything a decision depends on, kept up to date by the component.
 
     ``live`` workers are the candidates; ``healthy`` ones (load stream up) are
-    preferred. ``inflight[w]`` counts the block hashes of tracked requests on ``w``.
+    preferred. ``inflight[w]`` counts the block hashes of tracked requests on ``w``;
+    ``queues[w]`` forecasts their prefill; ``learners[w]`` learns ``w``'s speeds.
     """
 
-    def __init__(self, rng: random.Random | None = None) -> None:
+    def __init__(self, rng: random.Random | None = None,
+                 priors: RatePriors | None = None) -> None:
         self.index = PrefixIndex()
         self.rng = rng or random.Random()
         self.rr = RoundRobin()
+        self.priors = priors or RatePriors()
         self.reported: dict[int, EngineLoad] = {}
         self.inflight: dict[int, dict[int, int]] = {}
+        self.queues: dict[int, WorkerQueue] = {}
+        self.learners: dict[int, RateLearner] = {}
         self.live: set[int] = set()
         self.healthy: set[int] = set()
 
@@ -62,6 +82,8 @@ class RouterState:
         self.live.add(w)
         self.index.add_worker(w)
         self.inflight.setdefault(w, {})
+        self.queues.setdefault(w, WorkerQueue())
+        self.learners.setdefault(w, RateLearner(self.priors))
 
     def remove_worker(self, w: int) -> None:
         self.live.discard(w)
@@ -69,28 +91,50 @@ class RouterState:
         self.index.remove_worker(w)
         self.reported.pop(w, None)
         self.inflight.pop(w, None)
+        self.queues.pop(w, None)
+        self.learners.pop(w, None)
 
-    def set_load(self, w: int, load: EngineLoad | None) -> None:
-        """A fresh load sample (``None``: the worker's load stream is down)."""
+    def rates(self, w: int) -> WorkerRates:
+        """``w``'s speeds as the cost uses them (compared with the fleet's)."""
+        got = self.all_rates().get(w)
+        return got if got is not None else RateLearner(self.priors).rates()
+
+    def all_rates(self) -> dict[int, WorkerRates]:
+        return fleet_rates(self.learners)
+
+    def set_load(self, w: int, load: EngineLoad | None, now: float | None = None) -> None:
+        """A fresh load sample (``None``: the worker's load stream is down), received at
+        ``now``: it teaches ``w``'s speeds and corrects the forecast of its queue."""
         if w not in self.live:
             return
         if load is None:
             self.healthy.discard(w)
-        else:
-            self.reported[w] = load
-            self.healthy.add(w)
+            return
+        self.reported[w] = load
+        self.healthy.add(w)
+        self.learners[w].observe(load)
+        queue = self.queues[w]
+        if now is not None:
+            queue.advance(now, self.rates(w).prefill_s_per_token)
+        queue.reconcile(load.requests_total, load.prefilling)
 
     def apply(self, w: int, batch: RelayBatch) -> None:
         if w in self.live:
             batch.apply_to(self.index, w)
 
-    def begin(self, w: int, hashes: list[int]) -> None:
+    def begin(self, w: int, hashes: list[int], *, key: int | None = None,
+              uncached_tokens: float = 0.0, now: float = 0.0) -> None:
+        """A tracked request went to ``w``; with a ``key``, its ``uncached_tokens`` join
+        ``w``'s forecast prefill queue at ``now``."""
         counts = self.inflight.get(w)
         if counts is not None:
             for h in hashes:
                 counts[h] = counts.get(h, 0) + 1
+        queue = self.queues.get(w)
+        if key is not None and queue is not None:
+            queue.add(key, uncached_tokens, now)
 
-    def end(self, w: int, hashes: list[int]) -> None:
+    def end(self, w: int, hashes: list[int], key: int | None = None) -> None:
         counts = self.inflight.get(w)
         if counts is not None:
             for h in hashes:
@@ -99,17 +143,31 @@ class RouterState:
                     counts.pop(h, None)
                 else:
                     counts[h] = n - 1
+        queue = self.queues.get(w)
+        if key is not None and queue is not None:
+            queue.finish(key)
 
-    def inputs(self, hashes: list[int]) -> tuple[dict[int, int], dict[int, WorkerLoad]]:
+    def inputs(self, hashes: list[int], now: float | None = None,
+               rates: dict[int, WorkerRates] | None = None, *,
+               allowed: Collection[int] | None = None
+               ) -> tuple[dict[int, int], dict[int, WorkerLoad]]:
         """``choose_worker``'s overlaps and loads for a request with these block hashes.
 
         Overlap: the longer of the indexed prefix and the in-flight (predicted) one.
-        Load: active blocks (the larger of the reported and the in-flight count) minus
-        the request's blocks already active there, so ``active + request_blocks`` is
-        the worker's block count *after* taking the request (shared blocks once).
+        Active blocks: the larger of the reported and the in-flight count, minus the
+        request's blocks already active there, so ``active + request_blocks`` is the
+        worker's block count *after* taking the request (shared blocks once).
+        Queued tokens: the forecast (advanced to ``now`` when given). Decoding: the
+        larger of the forecast's and the report's (running requests past their first
+        token). ``allowed`` limits the candidates (the workers of the request's model).
         """
         overlaps = self.index.find_matches(hashes)
-        candidates = (self.healthy & self.live) or self.live
+        live = self.live if allowed is None else self.live & set(allowed)
+        candidates = (self.healthy & live) or live
+        if allowed is not None:
+            overlaps = {w: n for w, n in overlaps.items() if w in live}
+        if rates is None:
+            rates = self.all_rates()
         loads: dict[int, WorkerLoad] = {}
         for w in candidates:
             counts = self.inflight.get(w, {})
@@ -123,13 +181,24 @@ class RouterState:
             shared = sum(1 for h in hashes if h in counts)
             rep = self.reported.get(w, EngineLoad())
             active = max(rep.kv_blocks_used, len(counts))
+            queue = self.queues.get(w) or WorkerQueue()
+            if now is not None and w in rates:
+                queue.advance(now, rates[w].prefill_s_per_token)
+            reported_decoding = rep.running - max(rep.prefilling - rep.waiting, 0)
             loads[w] = WorkerLoad(active_blocks=max(active - shared, 0),
-                                  waiting_requests=rep.waiting)
+                                  waiting_requests=rep.waiting,
+                                  queued_tokens=queue.queued_tokens,
+                                  decoding=max(queue.decoding, reported_decoding, 0))
         return overlaps, loads
 
     def decide(self, mode: RouterMode, hashes: list[int], *, overlap_weight: float = 1.0,
-               temperature: float = 0.0) -> Decision:
-        overlaps, loads = self.inputs(hashes)
+               temperature: float = 0.0, cost_model: CostModel = CostModel.TIME,
+               prompt_tokens: int | None = None, block_size: int = 1,
+               now: float | None = None, allowed: Collection[int] | None = None) -> Decision:
+        rates = self.all_rates()
+        overlaps, loads = self.inputs(hashes, now, rates, allowed=allowed)
         return choose_worker(mode, overlaps, loads, len(hashes), self.rng,
                              overlap_weight=overlap_weight, temperature=temperature,
-                             rr_state=self.rr)
+                             rr_state=self.rr, cost_model=cost_model,
+                             prompt_tokens=prompt_tokens, block_size=block_size,
+                             rates=rates)

@@ -28,6 +28,9 @@ class DiscoveryBase:
         self._instance_id: int | None = None
         self._watches: set[InstanceWatch] = set()
         self._prefix_queues: set[asyncio.Queue[tuple[str, Any | None] | None]] = set()
+        self.publish_check: Callable[[str, Any], None] | None = None
+        """Called with every key and value before ``put`` writes it; raises to refuse
+        (e.g. ``dynagraph.runtime.addresses.PublishGuard``)."""
 
     @property
     def instance_id(self) -> int:
@@ -41,14 +44,24 @@ class DiscoveryBase:
     async def put(self, key: str, value: Any, *, lease: bool = False) -> None:
         raise NotImplementedError
 
-    async def register(
-        self,
-        namespace: str,
-        component: str,
-        endpoint: str,
-        address: str,
-        metadata: dict[str, Any] | None = None,
-    ) -> InstanceInfo:
+    def _check_publish(self, key: str, value: Any) -> None:
+        if self.publish_check is not None:
+            self.publish_check(key, value)
+
+    async def get(self, key: str) -> Any | None:
+        raise NotImplementedError
+
+    async def put_if_absent(self, key: str, value: Any) -> Any:
+        # Atomic where the store runs in this process (no await between the two steps
+        # that could interleave another writer); EtcdDiscovery uses a transaction.
+        existing = await self.get(key)
+        if existing is not None:
+            return existing
+        await self.put(key, value)
+        return value
+
+    async def register(self, namespace: str, component: str, endpoint: str, address: str,
+                       metadata: dict[str, Any] | None = None) -> InstanceInfo:
         info = InstanceInfo(
             namespace=namespace,
             component=component,

@@ -228,6 +228,7 @@ class EtcdDiscovery(DiscoveryBase):
     # -- key-value -----------------------------------------------------------------
 
     async def put(self, key: str, value: Any, *, lease: bool = False) -> None:
+        self._check_publish(key, value)
         raw = encode(value)
         if not lease:
             self._leased.pop(key, None)
@@ -248,6 +249,25 @@ class EtcdDiscovery(DiscoveryBase):
             lease_id = self._lease_id
             await self._call(lambda c: c.put(key.encode(), raw, lease=lease_id), f"put {key}")
             self._leased[key] = raw
+
+    async def put_if_absent(self, key: str, value: Any) -> Any:
+        self._check_publish(key, value)
+        k, raw = key.encode(), encode(value)
+
+        def txn(c: aetcd.Client) -> Awaitable[tuple[bool, Any]]:
+            # aetcd is untyped: its transaction() returns Any.
+            return c.transaction(  # type: ignore[no-any-return]
+                compare=[c.transactions.version(k) == 0],
+                success=[c.transactions.put(k, raw)], failure=[])
+
+        created, _ = await self._call(txn, f"create {key}")
+        if created:
+            self._leased.pop(key, None)
+            return value
+        got = await self.get(key)
+        if got is None:
+            raise DiscoveryError(f"etcd: {key} exists but could not be read back")
+        return got
 
     async def get(self, key: str) -> Any | None:
         got = await self._call(lambda c: c.get(key.encode()), f"get {key}")

@@ -149,6 +149,7 @@ class MemoryDiscovery(DiscoveryBase):
         return self._lease
 
     async def put(self, key: str, value: Any, *, lease: bool = False) -> None:
+        self._check_publish(key, value)
         lease_id = self._need_lease()
         self.store.put(key, encode(value), lease_id if lease else 0)
 

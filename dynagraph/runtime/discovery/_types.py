@@ -112,14 +112,8 @@ class Discovery(Protocol):
         """Stop the keepalive, revoke the lease (its keys vanish at once), close watches."""
         ...
 
-    async def register(
-        self,
-        namespace: str,
-        component: str,
-        endpoint: str,
-        address: str,
-        metadata: dict[str, Any] | None = None,
-    ) -> InstanceInfo:
+    async def register(self, namespace: str, component: str, endpoint: str, address: str,
+                       metadata: dict[str, Any] | None = None) -> InstanceInfo:
         """Publish this process as an instance of the endpoint, bound to the lease."""
         ...
 
@@ -129,6 +123,10 @@ class Discovery(Protocol):
 
     async def put(self, key: str, value: Any, *, lease: bool = False) -> None:
         """Store ``value`` as JSON; ``lease=True`` binds the key to this process's lease."""
+        ...
+
+    async def put_if_absent(self, key: str, value: Any) -> Any:
+        """Store ``value`` unless ``key`` exists (atomically); the stored value either way."""
         ...
 
     async def get(self, key: str) -> Any | None:

@@ -22,6 +22,9 @@ class PrefillSampling(msgspec.Struct, frozen=True, kw_only=True):
     top_k: int | None = None
     seed: int | None = None
     max_tokens: int = 1
+    cache_salt: str | None = None
+    """The request's prefix-cache salt: the prefill computes (and hashes) the blocks the
+    decode engine will look up under it."""
 
 
 class ReplyTarget(msgspec.Struct, frozen=True, kw_only=True):

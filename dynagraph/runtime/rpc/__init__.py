@@ -7,7 +7,8 @@ generator function ``handler(payload, ctx)``. A caller process uses one ``RpcCli
 Wire: TCP, length-prefixed msgpack frames (see ``_framing``), one stream at a time per
 pooled connection. Errors, as seen by the caller:
 
-    InstanceUnavailable   not delivered (connect refused/timed out, server stopping)
+    InstanceUnavailable   not taken (connect refused/timed out, server stopping, or the
+                          connection closed before the server's first frame): retry elsewhere
     StreamBroken          connection lost after the request was sent (or idle_timeout)
     RemoteError           the handler raised (``remote_type``, ``remote_message``);
                           types in ``dynagraph.errors.WIRE_ERRORS`` arrive as themselves

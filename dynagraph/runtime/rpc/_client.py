@@ -21,7 +21,16 @@ from typing import Any, cast
 
 from dynagraph.errors import InstanceUnavailable, StreamBroken
 
-from ._framing import END, ERROR, ITEM, FrameDecoder, FrameEncoder, ProtocolError, error_from_frame
+from ._framing import (
+    ALIVE,
+    END,
+    ERROR,
+    ITEM,
+    FrameDecoder,
+    FrameEncoder,
+    ProtocolError,
+    error_from_frame,
+)
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +40,9 @@ READ_LOW_WATER = 64 * 1024
 """Undecoded bytes below which reading resumes."""
 END_GRACE_S = 0.002
 """How long ``aclose()`` waits for an END already on its way, to keep the connection."""
+IDLE_TIMEOUT_S = 4.0
+"""Default ``idle_timeout``: servers send a heartbeat every second on a quiet stream, so
+this much silence means the callee is frozen (SIGSTOP, a stalled event loop) or cut off."""
 
 
 class RpcClient:
@@ -41,9 +53,11 @@ class RpcClient:
     """
 
     def __init__(self, *, connect_timeout: float = 2.0, max_frame_bytes: int = 64 << 20,
-                 max_idle_per_address: int = 64, idle_timeout: float | None = None) -> None:
-        """``idle_timeout``: if set, a stream that receives nothing for that many seconds
-        is cancelled and raises ``StreamBroken`` (None: wait as long as the peer lives)."""
+                 max_idle_per_address: int = 64,
+                 idle_timeout: float | None = IDLE_TIMEOUT_S) -> None:
+        """``idle_timeout``: a stream that receives nothing (not even the server's ALIVE
+        heartbeat) for that many seconds is cancelled and raises ``StreamBroken``
+        (None: wait as long as the connection lives)."""
         self._connect_timeout = connect_timeout
         self.idle_timeout = idle_timeout
         self._max_frame_bytes = max_frame_bytes
@@ -145,6 +159,12 @@ class RpcStream:
                     if conn.closed and self._request is not None and conn.stale:
                         conn = await self._open(fresh=True)  # request not delivered: resend
                         continue
+                    if conn.closed and self._request is not None:
+                        # Servers answer every request with a frame before its handler runs.
+                        raise InstanceUnavailable(
+                            f"{self._address} closed the connection before taking "
+                            f"{self._endpoint!r}" + (f": {conn.lost_reason}"
+                                                     if conn.lost_reason else ""))
                     if conn.closed:
                         raise StreamBroken(
                             f"connection to {self._address} lost during {self._endpoint!r}"
@@ -154,6 +174,8 @@ class RpcStream:
                 self._request = None  # delivered; never resend from here on
                 if frame[0] == ITEM and len(frame) == 2:
                     return frame[1]
+                if frame[0] == ALIVE:
+                    continue
                 break
         except BaseException:
             self._abort()
@@ -220,7 +242,7 @@ class RpcStream:
             while not conn.closed:
                 frame = conn.next_frame()
                 if frame is not None:
-                    if frame[0] == ITEM and len(frame) == 2:
+                    if (frame[0] == ITEM and len(frame) == 2) or frame[0] == ALIVE:
                         if loop.time() >= deadline:
                             break
                         continue  # items the consumer no longer wants
@@ -325,19 +347,32 @@ class _ClientConnection(asyncio.Protocol):
     async def wait(self, idle_timeout: float | None, address: str, endpoint: str) -> None:
         """Wait until more bytes arrive or the connection is lost.
 
-        Raises StreamBroken after ``idle_timeout`` seconds without either.
+        Raises StreamBroken after ``idle_timeout`` seconds of silence, counted only while
+        this process runs: the clock advances in steps of an eighth of the limit, and a
+        step this process overran (it was starved of CPU, in a long GC, or the whole host
+        was paused: 2-7 s seen on this VM under an engine's load) counts as at most 1.5
+        steps, so a stall of the *caller* is never taken for a frozen callee. After the
+        limit, one more loop turn reads what is waiting on the socket.
         """
-        self._waiter = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        waiter = self._waiter = loop.create_future()
         try:
             if idle_timeout is None:
-                await self._waiter
+                await waiter
                 return
-            try:
-                async with asyncio.timeout(idle_timeout):
-                    await self._waiter
-            except TimeoutError:
-                raise StreamBroken(f"{endpoint!r} at {address} sent nothing for "
-                                   f"{idle_timeout}s (idle_timeout); cancelled") from None
+            step, silent = idle_timeout / 8, 0.0
+            while not waiter.done():
+                if silent >= idle_timeout:
+                    await asyncio.sleep(0)  # one more loop turn: read what has arrived
+                    if waiter.done():
+                        break
+                    raise StreamBroken(f"{endpoint!r} at {address} sent nothing for "
+                                       f"{idle_timeout}s (idle_timeout); cancelled")
+                began = loop.time()
+                # asyncio.wait, not asyncio.timeout: a deadline that falls in the same loop
+                # turn as the bytes that end the wait must not cancel the waiting task.
+                await asyncio.wait((waiter,), timeout=step)
+                silent += min(loop.time() - began, 1.5 * step)
         finally:
             self._waiter = None
 

@@ -8,8 +8,11 @@ is an array whose first element is the frame kind:
     END      [2]                                                  callee -> caller
     ERROR    [3, remote_type: str, message: str, wire_type: str | None, extra: {str: ...}]
     CANCEL   [4]                                                  caller -> callee
+    ALIVE    [5]                                                  callee -> caller
 
-A connection carries one stream at a time: REQUEST, then ITEM*, then END or ERROR.
+A connection carries one stream at a time: REQUEST, then ALIVE (the request was taken:
+its handler starts), ITEM* (with ALIVE heartbeats while the handler is quiet), then END
+or ERROR.
 CANCEL may be sent by the caller at any point of a stream, after which the caller
 closes the connection. Payloads are anything msgpack encodes; pydantic models are
 encoded as ``model_dump(mode="python")`` and arrive as plain dicts. No pickle.
@@ -37,6 +40,7 @@ ITEM = 1
 END = 2
 ERROR = 3
 CANCEL = 4
+ALIVE = 5
 
 _LEN = struct.Struct(">I")
 HEADER_BYTES = _LEN.size
@@ -96,6 +100,9 @@ class FrameEncoder:
     def cancel(self) -> bytes:
         return _CANCEL_FRAME
 
+    def alive(self) -> bytes:
+        return _ALIVE_FRAME
+
     def error(self, exc: BaseException) -> bytes:
         return self._frame(error_body(exc))
 
@@ -116,6 +123,7 @@ def _static_frame(body: tuple[Any, ...]) -> bytes:
 
 _END_FRAME = _static_frame((END,))
 _CANCEL_FRAME = _static_frame((CANCEL,))
+_ALIVE_FRAME = _static_frame((ALIVE,))
 
 
 def error_body(exc: BaseException) -> tuple[Any, ...]:

@@ -23,6 +23,9 @@ from ._framing import CANCEL, REQUEST, FrameDecoder, FrameEncoder, ProtocolError
 
 log = logging.getLogger(__name__)
 
+HEARTBEAT_S = 1.0
+"""A stream whose handler sent nothing for this long gets an ALIVE frame, so a caller can
+tell a quiet handler from a frozen process (``RpcClient(idle_timeout=...)``)."""
 FLUSH_BYTES = 64 * 1024
 """Buffered response bytes that force a write before the loop iteration ends."""
 WRITE_HIGH_WATER = 256 * 1024
@@ -47,21 +50,29 @@ class RpcServer:
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *,
-                 max_frame_bytes: int = 64 << 20) -> None:
+                 max_frame_bytes: int = 64 << 20, heartbeat_s: float = HEARTBEAT_S) -> None:
         self._host = host
         self._port = port
         self._max_frame_bytes = max_frame_bytes
+        self._heartbeat_s = heartbeat_s
+        self._heartbeat: asyncio.Task[None] | None = None
         self._handlers: dict[str, Handler] = {}
+        self._subscriptions: set[str] = set()
         self._server: asyncio.Server | None = None
         self._connections: set[_ServerConnection] = set()
         self._address: str | None = None
         self._stopping = False
 
-    def add_endpoint(self, name: str, handler: Handler) -> None:
-        """Register ``handler`` (an async generator function ``(payload, ctx)``) as ``name``."""
+    def add_endpoint(self, name: str, handler: Handler, *, drain: bool = True) -> None:
+        """Register ``handler`` (an async generator function ``(payload, ctx)``) as ``name``.
+
+        ``drain=False``: a subscription, cancelled at once by ``stop()`` (not drained).
+        """
         if name in self._handlers:
             raise ValueError(f"endpoint {name!r} is already registered")
         self._handlers[name] = handler
+        if not drain:
+            self._subscriptions.add(name)
 
     @property
     def stopping(self) -> bool:
@@ -84,6 +95,8 @@ class RpcServer:
             lambda: _ServerConnection(self, self._max_frame_bytes), self._host, self._port)
         sockname = self._server.sockets[0].getsockname()
         self._address = f"{sockname[0]}:{sockname[1]}"
+        if self._heartbeat_s > 0:
+            self._heartbeat = loop.create_task(self._beat(), name="rpc-heartbeat")
         log.info("request plane listening on %s, endpoints %s", self._address, self.endpoints)
 
     @property
@@ -92,6 +105,13 @@ class RpcServer:
         if self._address is None:
             raise RuntimeError("RpcServer.address is only known after start()")
         return self._address
+
+    async def _beat(self) -> None:
+        """Every ``heartbeat_s``: an ALIVE frame on each stream that sent nothing since."""
+        while True:
+            await asyncio.sleep(self._heartbeat_s)
+            for conn in self._connections:
+                conn.heartbeat()
 
     def _track(self, conn: _ServerConnection, alive: bool) -> None:
         if alive:
@@ -109,9 +129,17 @@ class RpcServer:
             return
         self._stopping = True
         self._server.close()
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
         for conn in list(self._connections):
             if conn.task is None:
                 conn.close()
+            elif conn.endpoint in self._subscriptions:
+                conn.cancel_stream()
+        draining = sum(1 for c in self._connections
+                       if c.task is not None and c.endpoint not in self._subscriptions)
+        if draining:
+            log.info("draining %d request stream(s) (grace %.1fs)", draining, grace)
         tasks = [c.task for c in self._connections if c.task is not None]
         if tasks:
             _, pending = await asyncio.wait(tasks, timeout=grace)
@@ -148,6 +176,7 @@ class _ServerConnection(asyncio.Protocol):
         self._closed = False
         self.task: asyncio.Task[None] | None = None
         self._ctx: RequestContext | None = None
+        self._sent = False  # anything written since the last heartbeat tick
 
     # -- asyncio.Protocol callbacks ---------------------------------------------------
 
@@ -208,6 +237,10 @@ class _ServerConnection(asyncio.Protocol):
             self._flush()
             return
         self._ctx = ctx
+        # On the wire before the handler runs: a caller whose connection dies before any
+        # frame arrived knows the request was never handled (safe to send elsewhere).
+        self._write(self._encoder.alive())
+        self._flush()
         self.task = asyncio.get_running_loop().create_task(
             self._run(handler, payload, ctx), name=f"rpc:{endpoint}:{ctx.request_id}")
 
@@ -251,6 +284,11 @@ class _ServerConnection(asyncio.Protocol):
         self.task = None
         self._ctx = None
 
+    @property
+    def endpoint(self) -> str | None:
+        """The endpoint of the stream running on this connection, if any."""
+        return self._ctx.endpoint if self._ctx is not None else None
+
     def cancel_stream(self) -> None:
         """Cancel the running handler, if any (caller cancelled, left, or server stops).
 
@@ -271,6 +309,16 @@ class _ServerConnection(asyncio.Protocol):
 
     # -- output -----------------------------------------------------------------------
 
+    def heartbeat(self) -> None:
+        """Called every ``heartbeat_s``: ALIVE if the stream was quiet since the last call.
+
+        Skipped while the caller is not reading (backpressure): the frames queued for it
+        already prove this process alive once it reads them.
+        """
+        if self.task is not None and not self._sent and not self._paused and not self._closed:
+            self._write(self._encoder.alive())
+        self._sent = False
+
     def _write(self, frame: bytes) -> None:
         self._out += frame
         if not self._flush_scheduled:
@@ -285,6 +333,7 @@ class _ServerConnection(asyncio.Protocol):
         if not self._out or self._closed or self._transport is None:
             self._out.clear()
             return
+        self._sent = True
         # bytes(): the transport may keep a reference to what it could not send yet,
         # and self._out is reused.
         self._transport.write(bytes(self._out))

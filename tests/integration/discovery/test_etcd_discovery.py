@@ -11,7 +11,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ import pytest
 
 from dynagraph.runtime.discovery import EtcdDiscovery, InstanceInfo, InstanceWatch, instance_key
 from dynagraph.runtime.infra import LocalService, find_binary
+from tests.support.poll import until
 
 pytestmark = pytest.mark.integration
 log = logging.getLogger(__name__)
@@ -40,16 +41,6 @@ async def discs(url: str, n: int, ttl: int = TTL) -> AsyncIterator[list[EtcdDisc
     finally:
         for d in started:
             await d.close()
-
-
-async def until(cond: Callable[[], bool], timeout: float, what: str) -> float:  # noqa: ASYNC109
-    """Poll ``cond`` every 10 ms; return the seconds it took, fail after ``timeout``."""
-    t0 = time.monotonic()
-    while not cond():
-        if time.monotonic() - t0 > timeout:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.01)
-    return time.monotonic() - t0
 
 
 def ids(watch: InstanceWatch) -> list[int]:

@@ -1,4 +1,5 @@
-"""NatsPrefillQueue against a real nats-server with JetStream."""
+"""NatsPrefillQueue specifics against a real nats-server (JetStream); the shared contract
+is tests/contract/test_prefill_queue.py."""
 
 from __future__ import annotations
 
@@ -14,13 +15,13 @@ import pytest
 from dynagraph.runtime.infra import LocalService, free_port, start_nats
 from dynagraph.runtime.queue import (
     NatsPrefillQueue,
-    PrefillQueue,
     PrefillQueueError,
     QueueStats,
     RemotePrefillJob,
     ReplyTarget,
 )
 from tests.integration.queue.conftest import QueueFactory
+from tests.support.queue import drain_ids, stats_become
 
 pytestmark = pytest.mark.integration
 
@@ -35,35 +36,6 @@ def job(rid: str, timeout: float = 60.0, now: float | None = None) -> RemotePref
     )
 
 
-async def wait_stats(q: NatsPrefillQueue, want: QueueStats, within: float = 5.0) -> None:
-    end = time.monotonic() + within
-    while (got := await q.stats()) != want:
-        assert time.monotonic() < end, f"stats {got} != {want} after {within}s"
-        await asyncio.sleep(0.05)
-
-
-async def test_enqueue_pull_ack_removes(make_queue: QueueFactory) -> None:
-    q = make_queue(ack_wait=5)
-    await q.connect()
-    assert isinstance(q, PrefillQueue)
-    for i in range(3):
-        await q.enqueue(job(f"r{i}"))
-    assert await q.depth() == 3
-    item = await q.pull(2)
-    assert item is not None
-    assert item.job == job("r0", now=item.job.enqueued_at)
-    assert item.delivery_count == 1
-    assert await q.stats() == QueueStats(waiting=2, in_flight=1)
-    await item.ack()
-    assert await q.stats() == QueueStats(waiting=2, in_flight=0)
-    for i in (1, 2):
-        it = await q.pull(2)
-        assert it is not None and it.job.request_id == f"r{i}"
-        await it.ack()
-    assert await q.pull(0.2) is None
-    assert await q.stats() == QueueStats(waiting=0, in_flight=0)
-
-
 async def test_concurrent_connect_and_shared_consumer(make_queue: QueueFactory) -> None:
     producer, w1, w2 = make_queue(), make_queue(), make_queue()
     await asyncio.gather(producer.connect(), w1.connect(), w2.connect())
@@ -71,25 +43,10 @@ async def test_concurrent_connect_and_shared_consumer(make_queue: QueueFactory) 
     for i in range(n):
         await producer.enqueue(job(f"j{i}"))
 
-    async def work(q: NatsPrefillQueue) -> list[str]:
-        got: list[str] = []
-        while (item := await q.pull(0.5)) is not None:
-            got.append(item.job.request_id)
-            await item.ack()
-        return got
-
-    a, b = await asyncio.gather(work(w1), work(w2))
+    a, b = await asyncio.gather(drain_ids(w1), drain_ids(w2))
     assert sorted(a + b) == sorted(f"j{i}" for i in range(n))
     assert len(set(a) & set(b)) == 0
     assert await producer.stats() == QueueStats(waiting=0, in_flight=0)
-
-
-async def test_duplicate_enqueue_stored_once(make_queue: QueueFactory) -> None:
-    q = make_queue()
-    await q.connect()
-    await q.enqueue(job("same"))
-    await q.enqueue(job("same"))
-    assert await q.depth() == 1
 
 
 async def test_dead_consumer_job_is_redelivered(make_queue: QueueFactory) -> None:
@@ -105,38 +62,7 @@ async def test_dead_consumer_job_is_redelivered(make_queue: QueueFactory) -> Non
     assert again.delivery_count == 2
     assert time.monotonic() - t0 >= 0.9  # not before ack_wait
     await again.ack()
-    await wait_stats(producer, QueueStats(waiting=0, in_flight=0))
-
-
-async def test_in_progress_keeps_the_job(make_queue: QueueFactory) -> None:
-    q, other = make_queue(ack_wait=1.5), make_queue(ack_wait=1.5)
-    await asyncio.gather(q.connect(), other.connect())
-    await q.enqueue(job("long"))
-    item = await q.pull(2)
-    assert item is not None
-
-    async def heartbeat() -> None:
-        for _ in range(9):
-            await asyncio.sleep(0.25)
-            await item.in_progress()
-
-    hb = asyncio.create_task(heartbeat())
-    assert await other.pull(2.0) is None  # longer than ack_wait, but kept alive
-    await hb
-    await item.ack()
-
-
-async def test_max_deliver_respected(make_queue: QueueFactory) -> None:
-    q = make_queue(ack_wait=5, max_deliver=2)
-    await q.connect()
-    await q.enqueue(job("flaky"))
-    first = await q.pull(2)
-    assert first is not None
-    await first.nak()
-    second = await q.pull(2)
-    assert second is not None and second.delivery_count == 2
-    await second.nak()
-    assert await q.pull(0.5) is None
+    await stats_become(producer, QueueStats(waiting=0, in_flight=0))
 
 
 async def test_old_jobs_expire_with_max_age(make_queue: QueueFactory) -> None:
@@ -144,7 +70,7 @@ async def test_old_jobs_expire_with_max_age(make_queue: QueueFactory) -> None:
     await q.connect()
     await q.enqueue(job("stale"))
     assert await q.depth() == 1
-    await wait_stats(q, QueueStats(waiting=0, in_flight=0), within=5)
+    await stats_become(q, QueueStats(waiting=0, in_flight=0), within=5)
     assert await q.pull(0.2) is None
 
 
@@ -181,7 +107,7 @@ async def test_survives_server_restart(own_nats: LocalService, make_queue: Queue
             await item.ack()
     assert sorted(got) == ["after", "during", "k0", "k1", "k2"]
     assert got["k0"] == 2
-    await wait_stats(producer, QueueStats(waiting=0, in_flight=0))
+    await stats_become(producer, QueueStats(waiting=0, in_flight=0))
 
 
 async def test_connect_to_nothing_fails_fast() -> None:
@@ -253,7 +179,7 @@ async def test_undecodable_message_is_terminated(make_queue: QueueFactory) -> No
     item = await q.pull(2)
     assert item is not None and item.job.request_id == "good"
     await item.ack()
-    await wait_stats(q, QueueStats(waiting=0, in_flight=0))
+    await stats_become(q, QueueStats(waiting=0, in_flight=0))
 
 
 async def test_many_processes_creating_the_queue_at_once() -> None:

@@ -105,3 +105,24 @@ async def test_killed_server_breaks_the_stream_then_fails_fast(client: RpcClient
         assert time.monotonic() - start < 0.1
     finally:
         await stop_server(srv.proc)
+
+
+async def test_a_frozen_process_is_detected_by_its_silence() -> None:
+    """A quiet handler is kept alive by heartbeats; SIGSTOP stops them: StreamBroken."""
+    srv = await start_server()
+    patient = RpcClient(idle_timeout=2.5)
+    try:
+        stream = patient.call(srv.address, "slow", None)
+        assert await anext(stream) == "first"
+        waiting = asyncio.ensure_future(anext(stream))
+        await asyncio.sleep(3.0)  # quiet for longer than idle_timeout, alive: heartbeats
+        assert not waiting.done()
+        srv.proc.send_signal(signal.SIGSTOP)
+        frozen_at = time.monotonic()
+        with pytest.raises(StreamBroken, match="sent nothing"):
+            await waiting
+        assert time.monotonic() - frozen_at < 4.0
+    finally:
+        srv.proc.send_signal(signal.SIGCONT)
+        await patient.close()
+        await stop_server(srv.proc)

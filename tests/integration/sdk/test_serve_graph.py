@@ -7,7 +7,7 @@ import os
 import re
 import signal
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +16,8 @@ import pytest
 from dynagraph.runtime.discovery import EtcdDiscovery
 from dynagraph.runtime.rpc import RpcClient
 from dynagraph.sdk import EndpointClient
+from tests.support.poll import collect
+from tests.support.process import pid_alive
 from tests.support.serve import ServeProcess
 
 pytestmark = pytest.mark.integration
@@ -27,14 +29,6 @@ Source:
   ServiceArgs:
     workers: 2
 """
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 class Harness:
@@ -73,10 +67,6 @@ async def serve_demo(run_serve: Callable[..., ServeProcess], config_file: Path, 
     return sp
 
 
-async def collect(it: AsyncIterator[Any]) -> list[Any]:
-    return [x async for x in it]
-
-
 @pytest.fixture
 def config_file(tmp_path: Path) -> Path:
     p = tmp_path / "demo.yaml"
@@ -105,7 +95,8 @@ async def test_stream_10k_responses_and_both_workers_serve(
         stop_secs = time.perf_counter() - t0
         assert stop_secs < 10, stop_secs
         assert not [p for p in all_pids if pid_alive(p)]
-        assert await h.disc.get_prefix("/demo/") == {}
+        # Only the namespace's graph secret stays (shared by every serve, on purpose).
+        assert list(await h.disc.get_prefix("/demo/")) == ["/demo/graph-secret"]
 
 
 async def test_sigkill_of_one_instance_is_forgotten_within_ttl(

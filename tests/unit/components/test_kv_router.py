@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -12,10 +12,11 @@ import pytest
 from components.kv_router import Router, RouterConfig
 from dynagraph.errors import NoInstancesError, StreamBroken
 from dynagraph.llm.engines.base import EngineLoad
-from dynagraph.llm.router import BlockHasher, RouteRequest, RouterMode, RouterState
+from dynagraph.llm.router import BlockHasher, CostModel, RouteRequest, RouterMode, RouterState
 from dynagraph.llm.router.events import RelayBatch
 from dynagraph.runtime.discovery import MemoryDiscovery, MemoryStore
 from dynagraph.sdk import RuntimeContext
+from tests.support.poll import until
 
 A, B = 0xA1, 0xB2
 BS = 4
@@ -47,16 +48,25 @@ def test_kv_mode_prefers_the_worker_holding_the_prefix() -> None:
     assert s.decide(RouterMode.KV_LOAD, req).overlap_blocks in (0, 8)
 
 
+def test_the_choice_is_limited_to_the_workers_of_the_model() -> None:
+    s = state_with(A, B)
+    shared = hasher.block_hashes(prompt(1, 8))
+    s.apply(B, RelayBatch(seq=1, snapshot=True, stored=shared))
+    for mode in RouterMode:
+        d = s.decide(mode, shared, allowed=[A])
+        assert (d.worker_id, d.overlap_blocks) == (A, 0), mode
+
+
 def test_inflight_requests_predict_the_prefix_and_count_as_load_once() -> None:
     s = state_with(A, B)
     group = [hasher.block_hashes(prompt(7, 8) + prompt(100 + i, 1)) for i in range(6)]
-    first = s.decide(RouterMode.KV, group[0]).worker_id
+    first = s.decide(RouterMode.KV, group[0], cost_model=CostModel.BLOCKS).worker_id
     s.begin(first, group[0])
     for req in group[1:]:  # nothing indexed yet: the in-flight prefix keeps them together
-        d = s.decide(RouterMode.KV, req)
+        d = s.decide(RouterMode.KV, req, cost_model=CostModel.BLOCKS)
         assert (d.worker_id, d.overlap_blocks) == (first, 8)
         s.begin(d.worker_id, req)
-    other = s.decide(RouterMode.KV, hasher.block_hashes(prompt(8, 9)))
+    other = s.decide(RouterMode.KV, hasher.block_hashes(prompt(8, 9)), cost_model=CostModel.BLOCKS)
     assert other.worker_id != first  # a new prefix goes to the idle worker
     for req in group:
         s.end(first, req)
@@ -66,7 +76,63 @@ def test_inflight_requests_predict_the_prefix_and_count_as_load_once() -> None:
 def test_reported_load_steers_kv_load_mode() -> None:
     s = state_with(A, B)
     s.set_load(A, EngineLoad(kv_blocks_used=50, kv_blocks_total=1000))
-    assert all(s.decide(RouterMode.KV_LOAD, [1, 2]).worker_id == B for _ in range(5))
+    assert all(s.decide(RouterMode.KV_LOAD, [1, 2], cost_model=CostModel.BLOCKS).worker_id == B
+               for _ in range(5))
+    s.set_load(A, EngineLoad(running=3, kv_blocks_total=1000))  # three decoding
+    assert all(s.decide(RouterMode.KV_LOAD, [1, 2], block_size=BS).worker_id == B
+               for _ in range(5))
+
+
+def test_time_model_forecasts_queues_of_tracked_requests() -> None:
+    """Routed requests queue their uncached tokens on their worker: a group's prefix stays
+    on its worker while that costs less time than computing it elsewhere, unrelated
+    prompts go to the shorter queue, and ending a request frees its worker."""
+    s = state_with(A, B)
+    t = 100.0
+    group = [prompt(7, 64) + prompt(100 + i, 1) for i in range(3)]
+    keys = iter(range(100))
+
+    def route(tokens: list[int], now: float) -> tuple[int, int]:
+        hashes = hasher.block_hashes(tokens)
+        d = s.decide(RouterMode.KV, hashes, prompt_tokens=len(tokens), block_size=BS, now=now)
+        key = next(keys)
+        s.begin(d.worker_id, hashes, key=key, now=now,
+                uncached_tokens=max(len(tokens) - d.overlap_blocks * BS, 1))
+        return d.worker_id, key
+
+    first, k0 = route(group[0], t)
+    assert s.queues[first].queued_tokens == 260
+    other = B if first == A else A
+    # half of it is computed (prior speed 1e-4 s per token): the group's next requests
+    # hit the predicted prefix, 4 tokens each behind 130, rather than 260 elsewhere
+    t += 0.013
+    for tokens in group[1:]:
+        assert route(tokens, t)[0] == first
+    assert s.queues[first].queued_tokens == pytest.approx(138)
+    # an unrelated prompt goes to the idle worker, the next one to the shorter queue
+    lone, k_lone = route(prompt(9, 80), t)
+    assert lone == other and s.queues[other].queued_tokens == 320
+    assert route(prompt(10, 10), t)[0] == first
+    # time passes: the queues drain; ending a request forgets it
+    s.end(other, hasher.block_hashes(prompt(9, 80)), k_lone)
+    _, loads = s.inputs([], now=t + 1.0)
+    assert (s.queues[first].queued_tokens, s.queues[first].decoding) == (0, 4)
+    assert (loads[first].decoding, loads[other].decoding) == (4, 0)
+
+
+def test_load_reports_teach_speeds_and_correct_the_forecast() -> None:
+    s = state_with(A, B)
+    s.set_load(A, EngineLoad(requests_total=3), now=9.0)
+    s.begin(A, [], key=1, uncached_tokens=5000, now=10.0)
+    s.set_load(A, EngineLoad(requests_total=4, prefilling=1, prefill_tokens_total=2000,
+                             prefill_seconds_total=1.0), now=10.2)
+    assert s.rates(A).prefill_s_per_token > 1e-4  # learning towards 5e-4
+    assert 0 < s.queues[A].queued_tokens < 5000
+    s.set_load(A, EngineLoad(requests_total=4, prefilling=0, prefill_tokens_total=2000,
+                             prefill_seconds_total=1.0), now=10.3)
+    assert (s.queues[A].queued_tokens, s.queues[A].decoding) == (0, 1)
+    s.end(A, [], 1)
+    assert s.queues[A].decoding == 0
 
 
 def test_unhealthy_workers_are_avoided_and_removed_ones_forgotten() -> None:
@@ -117,12 +183,6 @@ class FakeWorkers:
             yield item
 
 
-async def until(pred: Callable[[], bool], within: float = 2.0) -> None:
-    async with asyncio.timeout(within):
-        while not pred():  # noqa: ASYNC110 - polls plain state owned by the code under test
-            await asyncio.sleep(0.005)
-
-
 async def _router(store: MemoryStore, fake: FakeWorkers, **cfg: Any) -> Router:
     disc = MemoryDiscovery(store)
     await disc.start()
@@ -166,7 +226,11 @@ async def test_router_follows_workers_events_loads_settings_and_lease_expiry() -
             fake.q(w, "load_metrics").put_nowait(EngineLoad(kv_blocks_total=100).model_dump())
         await until(lambda: router.state.healthy == {a, b} and router.state.index.num_blocks(b) > 0)
         got = await _route(router, shared + prompt(6, 1))
+        pressure = got.pop("pressure")
         assert got == {"worker_id": b, "overlap_blocks": 6, "request_blocks": 7, "mode": "kv"}
+        ttfts = [p.pop("predicted_ttft_s") for p in pressure["workers"]]
+        assert all(t > 0 for t in ttfts)  # the time cost's prediction for each candidate
+        assert pressure == {"workers": [{"worker_id": w, "kv_usage": 0.0} for w in sorted((a, b))]}
 
         gen = router.generate(RouteRequest(token_ids=shared, mode=RouterMode.KV_LOAD))
         assert (await anext(gen))["mode"] == "kv-load"
@@ -209,5 +273,56 @@ async def test_tracked_request_counts_until_the_caller_closes() -> None:
         with pytest.raises(asyncio.CancelledError):
             await waiter
         assert router.state.inflight[w] == {}
+        assert router.pressure.inflight == {}
     finally:
         await router.stop()
+
+
+async def test_decisions_carry_the_pressure_before_the_request() -> None:
+    store, fake = MemoryStore(), FakeWorkers()
+    w = (await _worker(store)).instance_id
+    router = await _router(store, fake)
+    try:
+        await until(lambda: len(fake.opened) == 2)
+        fake.q(w, "load_metrics").put_nowait(EngineLoad(
+            running=3, waiting=2, kv_blocks_used=50, kv_blocks_total=200).model_dump())
+        await until(lambda: w in router.state.healthy)
+        gens = [router.generate(RouteRequest(token_ids=prompt(i, 1), track=True))
+                for i in range(2)]
+        seen = [(await anext(g))["pressure"]["workers"][0] for g in gens]
+        assert all(p.pop("predicted_ttft_s") > 0 for p in seen)
+        assert seen == [{"worker_id": w, "running": 3, "waiting": 2, "kv_usage": 0.25},
+                        {"worker_id": w, "running": 3, "waiting": 2, "inflight": 1,
+                         "kv_usage": 0.25}]
+        assert router.pressure.inflight == {w: 2}
+        for g in gens:
+            await g.aclose()  # type: ignore[attr-defined]
+        assert router.pressure.inflight == {}
+    finally:
+        await router.stop()
+
+
+def test_the_slo_class_scales_the_overlap_weight() -> None:
+    from dynagraph.llm.router.pressure import (
+        DEFAULT_CLASS_OVERLAP_WEIGHTS,
+        class_overlap_weight,
+    )
+    scales = DEFAULT_CLASS_OVERLAP_WEIGHTS
+    assert class_overlap_weight(1.0, "interactive", scales) == 0.5
+    assert class_overlap_weight(2.0, "batch", scales) == 4.0
+    assert class_overlap_weight(1.5, "default", scales) == 1.5
+    assert class_overlap_weight(1.5, None, scales) == 1.5
+    # B holds 4 of the request's 6 blocks but is busier: a batch request takes the cache
+    # hit, an interactive one the idle worker.
+    s = state_with(A, B)
+    s.set_load(A, EngineLoad(kv_blocks_used=0, kv_blocks_total=1000))
+    s.set_load(B, EngineLoad(kv_blocks_used=3, kv_blocks_total=1000))
+    shared = hasher.block_hashes(prompt(1, 4))
+    s.apply(B, RelayBatch(seq=1, snapshot=True, stored=shared))
+    req = hasher.block_hashes(prompt(1, 4) + prompt(2, 2))
+    # Dynamo's block cost = w * (6 - overlap) + active + 6:  A = 6w + 6,  B = 2w + 9
+    blocks = CostModel.BLOCKS
+    assert s.decide(RouterMode.KV, req, cost_model=blocks,
+                    overlap_weight=class_overlap_weight(1.0, "batch", scales)).worker_id == B
+    assert s.decide(RouterMode.KV, req, cost_model=blocks, overlap_weight=class_overlap_weight(
+        1.0, "interactive", scales)).worker_id == A

@@ -10,6 +10,8 @@ import pytest
 
 from components.processor import Processor, ProcessorConfig
 from dynagraph.errors import InstanceUnavailable, NoInstancesError, RemoteError, StreamBroken
+from dynagraph.llm.migration import Attempt
+from dynagraph.llm.protocol import PreprocessedRequest, SamplingParams
 
 
 class FakeRouter:
@@ -61,15 +63,22 @@ def decision(worker_id: int) -> dict[str, Any]:
     return {"worker_id": worker_id, "overlap_blocks": 1, "request_blocks": 1, "mode": "kv"}
 
 
-async def run(p: Processor, tokens: list[int]) -> list[Any]:
-    return [x async for x in p._routed({"token_ids": tokens}, tokens)]
+async def run(p: Processor, tokens: list[int], attempt: Attempt | None = None) -> list[Any]:
+    pre = PreprocessedRequest(request_id="r", token_ids=tokens,
+                              sampling=SamplingParams(max_tokens=2))
+    live = tuple(p.worker.instance_ids())
+    at = attempt or Attempt()
+    if p.use_router:
+        return [x async for x in p._routed(pre, live, at)]
+    return [x async for x in p._first_reachable(pre.to_wire(), None, live, at)]
 
 
 async def test_calls_the_worker_the_router_chose_and_closes_the_route(processor: Make) -> None:
     router, workers = FakeRouter(decision(7)), FakeWorkers([5, 7])
     out = await run(processor(router, workers), [1, 2, 3])
     assert [x["from"] for x in out] == [7, 7] and workers.calls == [7]
-    assert router.asked == [{"token_ids": [1, 2, 3], "track": True, "mode": "kv"}]
+    assert router.asked == [{"token_ids": [1, 2, 3], "track": True, "mode": "kv",
+                            "workers": [5, 7]}]
     assert router.closed == 1
 
 
@@ -94,3 +103,124 @@ async def test_no_worker_left_raises(processor: Make) -> None:
         await run(processor(FakeRouter(decision(7)), workers), [1])
     with pytest.raises(NoInstancesError):
         await run(processor(FakeRouter(RemoteError("X", "y")), FakeWorkers([])), [1])
+
+
+async def test_excluded_workers_are_not_asked_even_if_the_router_says_so(processor: Make) -> None:
+    workers = FakeWorkers([5, 7])
+    attempt = Attempt()
+    attempt.failed(7)
+    out = await run(processor(FakeRouter(decision(7)), workers), [1], attempt)
+    assert [x["from"] for x in out] == [5, 5] and workers.calls == [5] and attempt.worker == 5
+
+
+async def test_a_migration_finds_a_worker_that_joined_after_the_request_began(
+        processor: Make) -> None:
+    class Workers(FakeWorkers):
+        async def direct(self, request: Any, instance_id: int) -> AsyncIterator[Any]:
+            self.calls.append(instance_id)
+            if instance_id == 7:  # the only worker when the request began: dies mid-stream
+                yield {"token_ids": [11]}
+                self.ids = [9]  # meanwhile 9 joined and 7's lease expired
+                raise StreamBroken("sent nothing for 4.0s")
+            yield {"token_ids": [12], "finish_reason": "length"}
+
+    workers = Workers([7])
+    p = processor(FakeRouter(RemoteError("X", "no router")), workers)
+    pre = PreprocessedRequest(request_id="r", token_ids=[1, 2],
+                              sampling=SamplingParams(max_tokens=2))
+    out = [x async for x in p._dispatch(pre, lambda: tuple(workers.ids))]
+    assert [t for x in out for t in x["token_ids"]] == [11, 12]
+    assert workers.calls == [7, 9]
+
+
+
+async def test_a_stalled_worker_is_asked_again_once_every_other_has_failed(
+        processor: Make) -> None:
+    """Seen on a starved host: 5 stalled before its first output, the request went to 7,
+    then 7 was killed mid-stream; 5 was back, and the request went on there."""
+    class Workers(FakeWorkers):
+        stalled = True
+
+        async def direct(self, request: Any, instance_id: int) -> AsyncIterator[Any]:
+            self.calls.append(instance_id)
+            if instance_id == 5 and self.stalled:
+                self.stalled = False
+                raise StreamBroken("'generate' sent nothing for 4.0s")
+            if instance_id == 7:
+                yield {"token_ids": [11]}
+                raise StreamBroken("connection lost")
+            yield {"token_ids": [12], "finish_reason": "length"}
+
+    workers = Workers([5, 7])
+    p = processor(FakeRouter(RemoteError("X", "no router")), workers)
+    pre = PreprocessedRequest(request_id="r", token_ids=[1, 2],
+                              sampling=SamplingParams(max_tokens=2))
+    out = [x async for x in p._dispatch(pre, lambda: tuple(workers.ids))]
+    assert [t for x in out for t in x["token_ids"]] == [11, 12]
+    assert workers.calls == [5, 7, 5], workers.calls
+
+# --- SLO-aware admission ---------------------------------------------------------------
+
+
+class ScriptedRouter(FakeRouter):
+    """Answers with one decision after another (the last one repeats)."""
+
+    def __init__(self, answers: list[Any]) -> None:
+        super().__init__(answers[0])
+        self.answers = answers
+
+    async def generate(self, request: Any) -> AsyncIterator[Any]:
+        answer = self.answers[min(len(self.asked), len(self.answers) - 1)]
+        self.asked.append(request)
+        try:
+            yield answer
+        finally:
+            self.closed += 1
+
+
+def pressured(worker_id: int, running: int) -> dict[str, Any]:
+    return {**decision(worker_id), "pressure": {"workers": [{"worker_id": worker_id,
+                                                             "running": running}]}}
+
+
+def slo_processor(tiny_tokenizer_dir: Path, router: Any, workers: FakeWorkers,
+                  max_delay: float) -> Processor:
+    config = ProcessorConfig.model_validate({
+        "model": str(tiny_tokenizer_dir), "router-mode": "kv",
+        "slo-admission": {"enabled": True, "delay-at-requests": 2, "shed-at-requests": 50,
+                          "delay-step": 0.01, "max-delay": max_delay}})
+    return Processor(config, router=router, worker=workers)
+
+
+async def run_as(p: Processor, slo_class: str) -> list[Any]:
+    from dynagraph.llm.tenants import TenantToken
+
+    pre = PreprocessedRequest(request_id="r", token_ids=[1, 2], tenant=TenantToken(
+        tenant="t", slo_class=slo_class), sampling=SamplingParams(max_tokens=2))
+    return [x async for x in p._routed(pre, tuple(p.worker.instance_ids()), Attempt(),
+                                       admission=True)]
+
+
+async def test_batch_waits_while_under_pressure_then_goes(tiny_tokenizer_dir: Path) -> None:
+    router = ScriptedRouter([pressured(7, 5), pressured(7, 3), pressured(7, 1)])
+    workers = FakeWorkers([7])
+    out = await run_as(slo_processor(tiny_tokenizer_dir, router, workers, 5.0), "batch")
+    assert [x["from"] for x in out] == [7, 7] and workers.calls == [7]
+    # three untracked checks (a waiting request is no load), then the tracked route
+    assert len(router.asked) == 4 and router.closed == 4
+    assert ["track" in a for a in router.asked] == [False, False, False, True]
+    assert router.asked[0]["slo_class"] == "batch"
+
+
+async def test_interactive_goes_at_once_and_batch_is_shed_past_max_delay(
+        tiny_tokenizer_dir: Path) -> None:
+    from dynagraph.errors import RequestShed
+
+    router, workers = ScriptedRouter([pressured(7, 5)]), FakeWorkers([7])
+    p = slo_processor(tiny_tokenizer_dir, router, workers, 0.03)
+    assert [x["from"] for x in await run_as(p, "interactive")] == [7, 7]
+    assert len(router.asked) == 1
+    with pytest.raises(RequestShed, match="batch work shed after waiting") as info:
+        await run_as(p, "batch")
+    assert info.value.retry_after == 1 and info.value.code == "slo_shed"
+    assert workers.calls == [7]  # only the interactive request reached the worker

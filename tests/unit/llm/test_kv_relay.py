@@ -206,3 +206,36 @@ async def test_load_snapshots_tick_at_the_interval() -> None:
     assert loop.time() - began >= 0.045
     with pytest.raises(ValueError):
         await load_snapshots(load, 0).__anext__()
+
+
+async def test_load_snapshots_changes_only_skip_equal_samples() -> None:
+    from dynagraph.llm.engines.base import EngineLoad
+    from dynagraph.llm.kv.relay import load_snapshots
+
+    values = iter([1, 1, 1, 2, 2, 3] + [3] * 1000)
+    calls = [0]
+
+    def load() -> EngineLoad:
+        calls[0] += 1
+        return EngineLoad(running=next(values))
+
+    gen = load_snapshots(load, 0.001, changes_only=True)
+    got = [(await gen.__anext__()).running for _ in range(3)]
+    assert got == [1, 2, 3] and calls[0] == 6
+    await gen.aclose()
+
+
+async def test_a_feed_is_fed_events_directly() -> None:
+    from dynagraph.llm.kv.relay import KvEventFeed
+
+    feed = KvEventFeed()
+    assert feed.publish([st(1, 2)]) == RelayBatch(seq=1, stored=[1, 2])
+    assert feed.publish([st(2), rm(2)]) is None  # a second copy came and went: no net change
+    sub = feed.subscribe()
+    it = aiter(sub)
+    assert await _next(it) == RelayBatch(seq=1, snapshot=True, stored=[1, 2])
+    feed.publish([rm(1), AllCleared(), st(7)])
+    assert await _next(it) == RelayBatch(seq=2, cleared=True, stored=[7])
+    feed.end()
+    with pytest.raises(StopAsyncIteration):
+        await _next(it)

@@ -1,10 +1,11 @@
 from __future__ import annotations
 
 import pytest
+from pydantic import ValidationError
 
 from dynagraph.errors import InvalidRequest, PromptTooLong
 from dynagraph.llm.detokenize import ResponseDetokenizer
-from dynagraph.llm.preprocess import DEFAULT_MAX_TOKENS, Preprocessor
+from dynagraph.llm.preprocess import Preprocessor
 from dynagraph.llm.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -69,7 +70,7 @@ def test_non_text_content_is_rejected(tok: Tokenizer) -> None:
 def test_completion_string_prompt(tok: Tokenizer, wrap: object) -> None:
     pre = Preprocessor(tok).preprocess(completion(wrap("Hello world")), "r")  # type: ignore[operator]
     assert pre.token_ids == tok.encode("Hello world")
-    assert pre.sampling.max_tokens == DEFAULT_MAX_TOKENS
+    assert pre.sampling.max_tokens == 16  # OpenAI's and vLLM's default for completions
 
 
 @pytest.mark.parametrize("prompt", [[5, 6, 7], [[5, 6, 7]]])
@@ -77,20 +78,22 @@ def test_completion_token_prompt(tok: Tokenizer, prompt: object) -> None:
     assert Preprocessor(tok).preprocess(completion(prompt), "r").token_ids == [5, 6, 7]
 
 
-@pytest.mark.parametrize("prompt", [["a", "b"], [[1], [2]]])
-def test_batched_prompts_are_rejected(tok: Tokenizer, prompt: object) -> None:
-    with pytest.raises(InvalidRequest, match="batched") as exc:
-        Preprocessor(tok).preprocess(completion(prompt), "r")
-    assert exc.value.param == "prompt"
+@pytest.mark.parametrize("prompt", [["a b", "c"], [[5, 6], [7]]])
+def test_batched_prompts_become_one_engine_request_each(tok: Tokenizer, prompt: object) -> None:
+    plan = Preprocessor(tok).plan(completion(prompt), "r")
+    assert [p.request.request_id for p in plan.prompts] == ["r-0", "r-1"]
+    first = prompt[0]  # type: ignore[index]
+    want = tok.encode(first) if isinstance(first, str) else first
+    assert plan.prompts[0].request.token_ids == want and not plan.plain
 
 
 def test_out_of_vocab_and_empty_prompts(tok: Tokenizer) -> None:
     with pytest.raises(InvalidRequest, match="outside the vocabulary"):
         Preprocessor(tok).preprocess(completion([1, tok.vocab_size]), "r")
-    with pytest.raises(InvalidRequest, match="empty"):
-        Preprocessor(tok).preprocess(completion([]), "r")
-    with pytest.raises(InvalidRequest, match="empty"):
-        Preprocessor(tok).preprocess(completion(""), "r")
+    with pytest.raises(ValidationError, match="empty"):
+        completion([])
+    with pytest.raises(ValidationError, match="empty"):
+        completion("")
 
 
 def test_prompt_too_long(tok: Tokenizer) -> None:

@@ -29,13 +29,15 @@ def error_locs(exc: pytest.ExceptionInfo[ValidationError]) -> list[tuple[object,
 
 
 def test_chat_request_defaults_and_unknown_fields_ignored() -> None:
-    req = chat(frequency_penalty=0.5, logit_bias={"1": 2}, user="u")
+    req = chat(frequency_penalty=0.5, logit_bias={"1": 2}, user="u", foo={"x": 1})
     assert req.stream is False
     assert req.n == 1
     assert req.stop_list() == []
     assert req.include_usage() is False
     assert req.requested_max_tokens() is None
-    assert not hasattr(req, "frequency_penalty")
+    assert req.frequency_penalty == 0.5 and req.logit_bias == {"1": 2}
+    assert req.unsupported() is None and req.is_plain()
+    assert "foo" not in OpenAIRequestEnvelope.wrap(req, "r").body
 
 
 def test_max_completion_tokens_wins_over_max_tokens() -> None:
@@ -52,7 +54,11 @@ def test_max_completion_tokens_wins_over_max_tokens() -> None:
         ({"max_completion_tokens": 0}, ("max_completion_tokens",)),
         ({"temperature": 3.0}, ("temperature",)),
         ({"top_p": 0.0}, ("top_p",)),
-        ({"n": 2}, ("n",)),
+        ({"n": 0}, ("n",)),
+        ({"presence_penalty": 2.5}, ("presence_penalty",)),
+        ({"logit_bias": {"x": 1.0}}, ("logit_bias",)),
+        ({"top_logprobs": 3}, ()),
+        ({"tool_choice": "required"}, ()),
         ({"stream": "yes"}, ("stream",)),
         ({"stop": ""}, ("stop",)),
         ({"stream_options": {"include_usage": "true"}}, ("stream_options", "include_usage")),
@@ -66,9 +72,36 @@ def test_chat_request_rejects(fields: dict[str, object], loc: tuple[object, ...]
     assert loc in error_locs(exc)
 
 
-def test_n_message_is_helpful() -> None:
-    with pytest.raises(ValidationError, match="only n=1 is supported"):
-        chat(n=3)
+def test_several_choices_are_not_plain() -> None:
+    assert chat(n=3).n == 3 and not chat(n=3).is_plain()
+    assert not chat(logprobs=True).is_plain()
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"audio": {"voice": "x"}}, "audio"),
+        ({"use_beam_search": True}, "use_beam_search"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+        ({"modalities": ["text", "audio"]}, "modalities"),
+        ({"priority": 3}, "priority"),
+        ({"modalities": ["text"], "priority": 0, "use_beam_search": False}, None),
+    ],
+)
+def test_unsupported_fields_are_named(fields: dict[str, object], param: str | None) -> None:
+    assert chat(**fields).unsupported() == param
+
+
+def test_completion_unsupported_and_defaults() -> None:
+    comp = CompletionRequest.model_validate({"model": "m", "prompt": "x", "suffix": "y"})
+    assert comp.unsupported() == "suffix"
+    comp = CompletionRequest.model_validate({"model": "m", "prompt": "x", "best_of": 1})
+    assert comp.unsupported() is None and comp.max_tokens == 16
+    with pytest.raises(ValidationError, match="0 only with echo"):
+        CompletionRequest.model_validate({"model": "m", "prompt": "x", "max_tokens": 0})
+    echo = CompletionRequest.model_validate({"model": "m", "prompt": "x", "max_tokens": 0,
+                                             "echo": True})
+    assert echo.max_tokens == 0
 
 
 def test_missing_messages_and_model() -> None:

@@ -137,6 +137,29 @@ async def test_remote_round_trip_through_the_queue() -> None:
     assert len(pulls) == 1 and pulls[0][1] == 1  # the queue-wait/redelivery metrics saw it
 
 
+async def test_a_stopping_server_finishes_the_jobs_in_hand_and_pulls_no_more() -> None:
+    q = MemoryPrefillQueue()
+    await q.connect()
+    c = coordinator(q)
+    engine = FakeEngine(delay=0.2)
+    sent: list[PrefillResult] = []
+    stopping = asyncio.Event()
+    server = asyncio.create_task(serve_queue(q, PrefillJobHandler(engine, wire(c, sent)),
+                                             pull_timeout=0.05, stopping=stopping))
+    plan = asyncio.create_task(c.plan("r1", list(range(200))))
+    async with asyncio.timeout(2):
+        while not engine.calls:  # noqa: ASYNC110 - polls the fake engine
+            await asyncio.sleep(0.01)
+    stopping.set()  # mid-prefill
+    await asyncio.wait_for(server, 2)  # returns by itself, the job done
+    assert (await plan).remote and len(sent) == 1
+    later = asyncio.create_task(c.plan("r2", list(range(300))))
+    await asyncio.sleep(0.2)
+    assert len(engine.calls) == 1 and (await q.stats()).waiting == 1  # not pulled
+    later.cancel()
+    await asyncio.gather(later, return_exceptions=True)
+
+
 class PullLog:
     def __init__(self, pulls: list[tuple[float, int]]) -> None:
         self.pulls = pulls
@@ -215,31 +238,25 @@ async def test_engine_failure_gives_the_job_back() -> None:
     assert again is not None and again.delivery_count == 2
 
 
-async def test_decode_worker_gone_terminates_the_job() -> None:
+@pytest.mark.parametrize(("failure", "status", "redelivered"), [
+    (NoInstancesError("gone"), "decode-gone", False),  # the decode worker is gone: term
+    (StreamBroken("cut"), "reply-failed", True),        # a broken hand-off: nak, retried
+])
+async def test_a_failed_hand_off(failure: Exception, status: str, redelivered: bool) -> None:
     q = MemoryPrefillQueue()
     await q.connect()
     item = await enqueue_and_pull(q)
 
     async def reply(target: ReplyTarget, result: PrefillResult) -> PrefillAck:
-        raise NoInstancesError("gone")
+        raise failure
 
     out = await PrefillJobHandler(FakeEngine(), reply).handle(item)
-    assert out.status == "decode-gone"
-    stats = await q.stats()
-    assert (stats.waiting, stats.in_flight) == (0, 0)
-
-
-async def test_broken_hand_off_is_retried() -> None:
-    q = MemoryPrefillQueue()
-    await q.connect()
-    item = await enqueue_and_pull(q)
-
-    async def reply(target: ReplyTarget, result: PrefillResult) -> PrefillAck:
-        raise StreamBroken("cut")
-
-    out = await PrefillJobHandler(FakeEngine(), reply).handle(item)
-    assert out.status == "reply-failed"
-    assert await q.pull(1.0) is not None
+    assert out.status == status
+    if redelivered:
+        assert await q.pull(1.0) is not None
+    else:
+        stats = await q.stats()
+        assert (stats.waiting, stats.in_flight) == (0, 0)
 
 
 async def test_late_hand_off_still_acks() -> None:
@@ -268,6 +285,23 @@ async def test_expired_while_held_is_terminated() -> None:
     assert out.status == "expired"
     stats = await q.stats()
     assert (stats.waiting, stats.in_flight) == (0, 0)
+
+
+async def test_a_prefill_still_running_at_the_deadline_is_cancelled_and_dropped() -> None:
+    q = MemoryPrefillQueue(ack_wait=0.1)
+    await q.connect()
+    item = await enqueue_and_pull(q, job_timeout=0.2)
+
+    async def reply(target: ReplyTarget, result: PrefillResult) -> PrefillAck:
+        raise AssertionError("must not reply")
+
+    engine = FakeEngine(delay=3600)  # an engine request that never finishes
+    out = await asyncio.wait_for(
+        PrefillJobHandler(engine, reply, heartbeat_s=0.03).handle(item), 5)
+    assert out.status == "expired" and 0.1 < out.prefill_s < 2
+    assert len(engine.calls) == 1
+    stats = await q.stats()
+    assert (stats.waiting, stats.in_flight) == (0, 0)  # terminated, never redelivered
 
 
 async def test_heartbeat_keeps_a_long_prefill_from_redelivery() -> None:

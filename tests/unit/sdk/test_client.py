@@ -10,6 +10,7 @@ import pytest
 from dynagraph.errors import InstanceUnavailable, NoInstancesError
 from dynagraph.sdk import ComponentClient, EndpointClient
 from dynagraph.sdk._context import reset_request_id, set_request_id
+from tests.support.poll import collect
 
 
 @dataclass
@@ -44,10 +45,6 @@ class FakeCaller:
             yield payload
         finally:
             self.closed += 1
-
-
-async def collect(it: AsyncIterator[Any]) -> list[Any]:
-    return [x async for x in it]
 
 
 async def test_round_robin_alternates_over_live_instances() -> None:

@@ -36,6 +36,10 @@ Back:
     assert isinstance(cfg, BackConfig) and cfg.scale == 3 and cfg.label == "world"
     # defaults from @service when the file is silent
     assert cfgs["Middle"].service_args.workers == 1 and cfgs["Middle"].values == {}
+    # a Common override reaches the components that pull the key; their own key still wins
+    assert resolve_config(pipeline, p, ["--Common.scale=5"])["Back"].values["scale"] == 5
+    both = resolve_config(pipeline, p, ["--Common.scale=5", "--Back.scale=7"])
+    assert both["Back"].values["scale"] == 7
 
 
 def test_no_file_gives_defaults() -> None:

@@ -5,7 +5,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from dynagraph.errors import GraphError
-from dynagraph.sdk import Graph, endpoint, resolve_target, service, spec_of
+from dynagraph.sdk import Graph, depends, endpoint, resolve_target, service, spec_of
 from tests.unit.sdk.example_components import Back, BackConfig, Extra, Front, Middle, Numbers
 
 
@@ -31,6 +31,20 @@ def test_link_builds_an_immutable_graph_and_prunes_unlinked_edges() -> None:
 def test_unreachable_linked_component_is_an_error() -> None:
     with pytest.raises(GraphError, match="not reachable from Front"):
         Front.link(Back).validate()
+
+
+def test_a_controller_need_not_be_reachable_and_reaches_its_dependencies() -> None:
+    @service(dynamo={"namespace": "test"}, controller=True)
+    class Watcher:
+        back = depends(Back)
+
+        @endpoint()
+        async def status(self, request: dict[str, int]) -> AsyncIterator[int]:
+            yield 0
+
+    assert spec_of(Watcher).controller and not spec_of(Front).controller
+    Front.link(Middle).link(Back).link(Watcher).validate()
+    Front.link(Back).link(Watcher).validate()  # Back is reached through the controller
 
 
 def test_linking_twice_is_an_error() -> None:

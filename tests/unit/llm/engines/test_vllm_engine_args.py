@@ -16,7 +16,7 @@ from dynagraph.llm.engines.vllm_engine import (
     VllmEngine,
     VllmEngineArgs,
     _finish_reason,
-    _to_engine_output,
+    _to_engine_outputs,
 )
 from dynagraph.llm.engines.vllm_stats import LoadTracker
 
@@ -91,7 +91,8 @@ def test_finish_reason_mapping(vllm_reason: str | None, ours: str | None) -> Non
 
 def _request_output(**kw: Any) -> SimpleNamespace:
     completion = SimpleNamespace(
-        token_ids=kw.pop("token_ids", [7]), finish_reason=kw.pop("reason", None)
+        index=0, token_ids=kw.pop("token_ids", [7]), finish_reason=kw.pop("reason", None),
+        logprobs=None,
     )
     base = {
         "request_id": "r",
@@ -99,16 +100,18 @@ def _request_output(**kw: Any) -> SimpleNamespace:
         "finished": False,
         "num_cached_tokens": None,
         "kv_transfer_params": None,
+        "prompt_logprobs": None,
     }
     return SimpleNamespace(**{**base, **kw})
 
 
 def test_output_mapping() -> None:
-    mid = _to_engine_output(_request_output(token_ids=(4, 5)), 9)
-    assert mid.token_ids == [4, 5] and mid.finish_reason is None
+    (mid,) = _to_engine_outputs(_request_output(token_ids=(4, 5)), 9)
+    assert mid.token_ids == [4, 5] and mid.finish_reason is None and mid.index == 0
     assert mid.num_prompt_tokens == 9 and mid.num_cached_tokens == 0
+    assert mid.logprobs is None and mid.prompt_logprobs is None
     params = {"remote_engine_id": "e", "remote_block_ids": [1]}
-    last = _to_engine_output(
+    (last,) = _to_engine_outputs(
         _request_output(
             finished=True, reason="length", num_cached_tokens=64, kv_transfer_params=params
         ),
@@ -121,7 +124,24 @@ def test_output_mapping() -> None:
 
 def test_output_mapping_raises_on_engine_error() -> None:
     with pytest.raises(EngineError):
-        _to_engine_output(_request_output(finished=True, reason="error"), 1)
+        _to_engine_outputs(_request_output(finished=True, reason="error"), 1)
+
+
+def test_output_mapping_of_choices_and_logprobs() -> None:
+    """n > 1: one output per choice, each finishing on its own; vLLM's flat logprobs
+    become (ids, logprobs) per position; prompt logprobs go on the first output only."""
+    flat = SimpleNamespace(start_indices=[0, 2], end_indices=[2, 3], token_ids=[5, 6, 7],
+                           logprobs=[-0.1, -2.0, -0.5], ranks=[1, 2, 1])
+    prompt = SimpleNamespace(start_indices=[0, 0], end_indices=[0, 2], token_ids=[8, 9],
+                             logprobs=[-3.0, -1.0], ranks=[4, None])
+    first = SimpleNamespace(index=1, token_ids=[5, 7], finish_reason="stop", logprobs=flat)
+    second = SimpleNamespace(index=0, token_ids=[3], finish_reason=None, logprobs=None)
+    a, b = _to_engine_outputs(_request_output(outputs=[first, second],
+                                              prompt_logprobs=prompt), 2)
+    assert (a.index, a.finish_reason, b.index, b.finish_reason) == (1, "stop", 0, None)
+    assert a.logprobs == [([5, 6], [-0.1, -2.0]), ([7], [-0.5])]
+    assert a.prompt_logprobs == [None, ([8, 9], [-3.0, -1.0], [4, 0])]
+    assert b.prompt_logprobs is None and b.logprobs is None
 
 
 async def test_generate_before_start_fails() -> None:
@@ -144,3 +164,10 @@ def test_kv_events_endpoint_local_ok() -> None:
         {"model": "m", "kv-events-endpoint": "ipc:///tmp/x.ipc", "kv-events-topic": "w1"}
     )
     assert a.kv_events_endpoint == "ipc:///tmp/x.ipc" and a.kv_events_topic == "w1"
+
+
+def test_spread_puts_each_worker_on_its_own_core() -> None:
+    from dynagraph.llm.engines.vllm_engine import spread_bind
+
+    assert [spread_bind("spread", i, 2) for i in range(3)] == ["0", "1", "0"]
+    assert spread_bind("0-1", 1, 2) == "0-1" and spread_bind(None, 1, 2) is None

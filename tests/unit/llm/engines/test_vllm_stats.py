@@ -31,3 +31,60 @@ def test_tracker_passes_transfers_to_its_listener_only_when_set() -> None:
     tracker.kv_connector_stats(None)
     tracker.kv_connector_stats(NIXL)
     assert seen == [(2097152, 0.002), (8388608, 0.004)]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _step(tracker: LoadTracker, *, running: int, waiting: int = 0,
+          prefill: int | None = 0, decodes: int = 0) -> None:
+    tracker.update(running=running, waiting=waiting, kv_usage=0.0, queries=0, hits=0, total=10,
+                   prefill_tokens=prefill, decode_seqs=decodes)
+
+
+def test_steps_are_timed_from_the_arrival_then_back_to_back() -> None:
+    clock = Clock()
+    t = LoadTracker(clock)
+    t.request_arrived()               # idle engine: its next step starts now (t=100)
+    assert t.get().prefilling == 1
+    clock.t = 100.25
+    _step(t, running=1, prefill=2048)  # 0.25 s for a 2048-token chunk
+    clock.t = 100.375
+    _step(t, running=1, prefill=952)   # 0.125 s, back to back
+    t.request_started()
+    clock.t = 100.380
+    _step(t, running=1, decodes=1)
+    clock.t = 100.386
+    _step(t, running=0, decodes=1)     # the last step: the engine is idle after it
+    load = t.get()
+    assert (load.requests_total, load.prefilling, load.prefill_tokens_total) == (1, 0, 3000)
+    assert load.prefill_seconds_total == 0.375
+    assert load.decode_steps_total == 2
+    assert abs(load.decode_seconds_total - 0.011) < 1e-9
+    # an idle gap is not a step: the next one is timed from the next arrival
+    clock.t = 105.0
+    t.request_arrived()
+    clock.t = 105.125
+    _step(t, running=1, prefill=100)
+    assert t.get().prefill_seconds_total == 0.5
+
+
+def test_untimed_records_and_unknown_starts_add_nothing() -> None:
+    clock = Clock()
+    t = LoadTracker(clock)
+    _step(t, running=1, prefill=500)   # nothing arrived: the start is unknown
+    assert (t.get().prefill_tokens_total, t.get().prefill_seconds_total) == (0, 0.0)
+    clock.t = 101.0
+    _step(t, running=1, prefill=None)  # a record without iteration details
+    clock.t = 102.0
+    _step(t, running=1, prefill=500)   # timed from the previous step's record (t=100)
+    assert t.get().prefill_seconds_total == 2.0
+    t.request_started()                # more starts than arrivals: never below zero
+    assert t.get().prefilling == 0
+    t.set_max_batched_tokens(2048)
+    assert t.get().max_num_batched_tokens == 2048

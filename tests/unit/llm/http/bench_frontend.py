@@ -24,19 +24,17 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from dynagraph.llm.protocol import OpenAIRequest, TextChunk
+from dynagraph.llm.tenants import TenantToken
+from tests.unit.llm.http.conftest import MODEL, OneModelBackend
 
-MODEL = "bench"
 
-
-class InstantBackend:
+class InstantBackend(OneModelBackend):
     def __init__(self, tokens: int, itl: float) -> None:
         self.tokens = tokens
         self.itl = itl
 
-    def ready(self) -> bool:
-        return True
-
-    async def generate(self, request: OpenAIRequest, request_id: str) -> AsyncIterator[TextChunk]:
+    async def generate(self, request: OpenAIRequest, request_id: str,
+                       tenant: TenantToken | None = None) -> AsyncIterator[TextChunk]:
         n = self.tokens
         for i in range(n):
             if self.itl:

@@ -9,13 +9,17 @@ from typing import Any
 
 import httpx
 import pytest
-from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
 from dynagraph.llm.http import create_app
-from dynagraph.llm.protocol import OpenAIRequest, TextChunk
+from dynagraph.llm.http.app import ModelInfo
+from dynagraph.llm.http.asgi import App
+from dynagraph.llm.protocol import OpenAIRequest, TextChunk, TokenizeKind
+from dynagraph.llm.tenants import TenantToken
 
 MODEL = "tiny-llama"
+
+AppFactory = Callable[..., App]
 
 
 def chunks_for(texts: list[str], finish: str = "stop", prompt_tokens: int = 5) -> list[TextChunk]:
@@ -28,7 +32,23 @@ def chunks_for(texts: list[str], finish: str = "stop", prompt_tokens: int = 5) -
     return out
 
 
-class FakeBackend:
+class OneModelBackend:
+    """The Backend surface every fake here shares: one model, always ready, no /tokenize."""
+
+    model = MODEL
+
+    def ready(self) -> bool:
+        return True
+
+    def models(self) -> list[ModelInfo]:
+        return [ModelInfo(self.model)]
+
+    async def tokenize(self, kind: TokenizeKind, model: str, body: dict[str, Any]
+                       ) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class FakeBackend(OneModelBackend):
     """Scripted Backend: yields ``chunks``, optionally raising ``error`` at ``error_at``.
 
     With ``block_at`` it waits forever before yielding that chunk (until cancelled), and
@@ -49,7 +69,9 @@ class FakeBackend:
         self.error_at = error_at
         self.block_at = block_at
         self.is_ready = ready
+        self.has_models = True
         self.calls: list[tuple[OpenAIRequest, str]] = []
+        self.tenants: list[TenantToken | None] = []
         self.cancelled = asyncio.Event()
         self.closed = asyncio.Event()
         self.blocked = asyncio.Event()
@@ -57,8 +79,13 @@ class FakeBackend:
     def ready(self) -> bool:
         return self.is_ready
 
-    async def generate(self, request: OpenAIRequest, request_id: str) -> AsyncIterator[TextChunk]:
+    def models(self) -> list[ModelInfo]:
+        return super().models() if self.has_models else []
+
+    async def generate(self, request: OpenAIRequest, request_id: str,
+                       tenant: TenantToken | None = None) -> AsyncIterator[TextChunk]:
         self.calls.append((request, request_id))
+        self.tenants.append(tenant)
         try:
             for index, chunk in enumerate(self.chunks):
                 if self.error is not None and index == self.error_at:
@@ -81,16 +108,17 @@ def registry() -> CollectorRegistry:
 
 
 @pytest.fixture
-def make_app(registry: CollectorRegistry) -> Callable[..., FastAPI]:
-    def make(backend: FakeBackend, max_model_len: int | None = 2048) -> FastAPI:
+def make_app(registry: CollectorRegistry) -> Callable[..., App]:
+    def make(backend: FakeBackend, max_model_len: int | None = 2048, **options: Any) -> App:
         return create_app(
-            backend, served_model_name=MODEL, max_model_len=max_model_len, registry=registry
+            backend, served_model_name=MODEL, max_model_len=max_model_len, registry=registry,
+            **options,
         )
 
     return make
 
 
-def client_for(app: FastAPI) -> httpx.AsyncClient:
+def client_for(app: App) -> httpx.AsyncClient:
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
 
 
@@ -114,7 +142,7 @@ def sse_events(body: str) -> list[Any]:
 
 
 async def raw_asgi_call(
-    app: FastAPI, path: str, body: dict[str, Any], *, disconnect_after_body_chunks: int
+    app: App, path: str, body: dict[str, Any], *, disconnect_after_body_chunks: int
 ) -> list[MutableMapping[str, Any]]:
     """Drive the ASGI app directly; report ``http.disconnect`` after N body messages.
 

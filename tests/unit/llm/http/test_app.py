@@ -1,9 +1,8 @@
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import Any
 
 import pytest
-from fastapi import FastAPI
 
 from dynagraph.errors import (
     EngineError,
@@ -12,11 +11,18 @@ from dynagraph.errors import (
     PromptTooLong,
     RemoteError,
 )
-from dynagraph.llm.protocol import ChatCompletionRequest, CompletionRequest, TextChunk
+from dynagraph.llm.protocol import ChatCompletionRequest, CompletionRequest, TextChunk, TokenizeKind
 
-from .conftest import MODEL, FakeBackend, chat_body, chunks_for, client_for, completion_body
-
-AppFactory = Callable[..., FastAPI]
+from .conftest import (
+    MODEL,
+    AppFactory,
+    FakeBackend,
+    chat_body,
+    chunks_for,
+    client_for,
+    completion_body,
+    sse_events,
+)
 
 
 async def test_chat_non_streamed(make_app: AppFactory) -> None:
@@ -129,7 +135,7 @@ async def test_malformed_json(make_app: AppFactory) -> None:
         (chat_body(messages=[]), "messages"),
         (chat_body(max_tokens=-1), "max_tokens"),
         (chat_body(temperature="hot"), "temperature"),
-        (chat_body(n=2), "n"),
+        (chat_body(n=0), "n"),
         (chat_body(messages=[{"content": "x"}]), "messages.0.role"),
         (chat_body(stream_options={"include_usage": 1}), "stream_options.include_usage"),
         (chat_body(max_tokens=4096), "max_tokens"),  # >= max_model_len
@@ -201,3 +207,67 @@ async def test_backend_stream_without_finish_is_500(make_app: AppFactory) -> Non
     assert_error(resp, 500)
     assert empty.status_code == 200
     assert '"error"' in empty.text
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/chat/completions", chat_body(audio={"voice": "alloy"}), "audio"),
+        ("/v1/chat/completions", chat_body(use_beam_search=True), "use_beam_search"),
+        ("/v1/completions", completion_body(suffix="!"), "suffix"),
+        ("/v1/completions", completion_body(best_of=3), "best_of"),
+    ],
+)
+async def test_what_we_cannot_honour_is_a_400_naming_it(
+    make_app: AppFactory, path: str, body: dict[str, object], param: str
+) -> None:
+    backend = FakeBackend()
+    async with client_for(make_app(backend)) as client:
+        resp = await client.post(path, json=body)
+    assert assert_error(resp, 400, param)["code"] == "unsupported_parameter"
+    assert backend.calls == []
+
+
+async def test_unknown_model_is_a_404_naming_the_served_ones(make_app: AppFactory) -> None:
+    async with client_for(make_app(FakeBackend())) as client:
+        resp = await client.post("/v1/chat/completions", json=chat_body(model="gpt-9"))
+    error = assert_error(resp, 404, "model")
+    assert error["code"] == "model_not_found" and MODEL in str(error["message"])
+
+
+async def test_choices_stream_with_their_index_and_logprobs(make_app: AppFactory) -> None:
+    lp = {"content": [{"token": "a", "logprob": -1.0, "bytes": [97], "top_logprobs": []}]}
+    chunks = [TextChunk(text="a", index=1, logprobs=lp, completion_tokens=1),
+              TextChunk(text="b", index=0, completion_tokens=2, logprobs=lp),
+              TextChunk(text="", index=1, finish_reason="stop", completion_tokens=2),
+              TextChunk(text="", index=0, finish_reason="length", completion_tokens=3,
+                        prompt_tokens=4)]
+    async with client_for(make_app(FakeBackend(chunks))) as client:
+        resp = await client.post("/v1/chat/completions", json=chat_body(
+            n=2, temperature=1.0, logprobs=True, stream=True,
+            stream_options={"include_usage": True}))
+    events = sse_events(resp.text)
+    assert events[-1] == "[DONE]"
+    choices = [e["choices"][0] for e in events[:-2]]
+    assert [c["index"] for c in choices] == [1, 0, 1, 0]
+    assert [c["delta"].get("role") for c in choices] == ["assistant", "assistant", None, None]
+    assert choices[0]["logprobs"] == lp and choices[2]["logprobs"] is None
+    assert [c["finish_reason"] for c in choices] == [None, None, "stop", "length"]
+    assert events[-2]["usage"]["completion_tokens"] == 3 and events[-2]["choices"] == []
+
+
+async def test_tokenize_routes_reach_the_backend(make_app: AppFactory) -> None:
+    class Tokenizing(FakeBackend):
+        async def tokenize(self, kind: TokenizeKind, model: str, body: dict[str, Any]
+                       ) -> dict[str, Any]:
+            return {"kind": kind, "model": model, "body": body}
+
+    async with client_for(make_app(Tokenizing())) as client:
+        tok = await client.post("/tokenize", json={"prompt": "hi"})
+        detok = await client.post("/detokenize", json={"model": MODEL, "tokens": [1, 2]})
+        bad = await client.post("/tokenize", json={"model": MODEL})
+        other = await client.post("/detokenize", json={"model": "x", "tokens": [1]})
+    assert tok.json() == {"kind": "tokenize", "model": MODEL, "body": {"prompt": "hi"}}
+    assert detok.json()["body"] == {"model": MODEL, "tokens": [1, 2]}
+    assert_error(bad, 400)
+    assert_error(other, 404, "model")

@@ -2,18 +2,24 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-from collections.abc import Callable
 
 import pytest
-from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
-from .conftest import MODEL, FakeBackend, chat_body, chunks_for, client_for, completion_body
+from dynagraph.llm.http.asgi import App
 
-AppFactory = Callable[..., FastAPI]
+from .conftest import (
+    MODEL,
+    AppFactory,
+    FakeBackend,
+    chat_body,
+    chunks_for,
+    client_for,
+    completion_body,
+)
 
 
-async def exercise(app: FastAPI) -> str:
+async def exercise(app: App) -> str:
     async with client_for(app) as client:
         assert (await client.post("/v1/chat/completions", json=chat_body())).status_code == 200
         stream = await client.post("/v1/completions", json=completion_body(stream=True))

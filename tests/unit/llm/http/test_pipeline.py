@@ -10,11 +10,11 @@ from contextlib import aclosing
 from typing import Any
 
 import pytest
-from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
 from dynagraph.llm.detokenize import detokenize_stream
 from dynagraph.llm.http import create_app
+from dynagraph.llm.http.asgi import App
 from dynagraph.llm.preprocess import Preprocessor
 from dynagraph.llm.protocol import (
     EngineFinishReason,
@@ -24,14 +24,15 @@ from dynagraph.llm.protocol import (
     PreprocessedRequest,
     TextChunk,
 )
+from dynagraph.llm.tenants import TenantToken
 from dynagraph.llm.tokenizer import Tokenizer
 
-from .conftest import MODEL, client_for, sse_events
+from .conftest import MODEL, OneModelBackend, client_for, sse_events
 
 REPLY = "Café 日本 🙂🚀 ### END ### tail"
 
 
-class LocalPipeline:
+class LocalPipeline(OneModelBackend):
     """A Backend doing the Processor's job in-process; the engine 'generates' REPLY + EOS."""
 
     def __init__(self, tok: Tokenizer, max_model_len: int | None) -> None:
@@ -40,10 +41,8 @@ class LocalPipeline:
         self.engine_closed = asyncio.Event()
         self.seen: list[PreprocessedRequest] = []
 
-    def ready(self) -> bool:
-        return True
-
-    async def generate(self, request: OpenAIRequest, request_id: str) -> AsyncIterator[TextChunk]:
+    async def generate(self, request: OpenAIRequest, request_id: str,
+                       tenant: TenantToken | None = None) -> AsyncIterator[TextChunk]:
         envelope = OpenAIRequestEnvelope.wrap(request, request_id).to_wire()
         env = OpenAIRequestEnvelope.from_wire(envelope)
         pre = PreprocessedRequest.from_wire(
@@ -76,8 +75,8 @@ class LocalPipeline:
 
 
 @pytest.fixture
-def app_for(tok: Tokenizer) -> Callable[..., tuple[FastAPI, LocalPipeline]]:
-    def make(max_model_len: int | None = 512) -> tuple[FastAPI, LocalPipeline]:
+def app_for(tok: Tokenizer) -> Callable[..., tuple[App, LocalPipeline]]:
+    def make(max_model_len: int | None = 512) -> tuple[App, LocalPipeline]:
         backend = LocalPipeline(tok, max_model_len)
         app = create_app(
             backend,
@@ -95,7 +94,7 @@ def chat(**fields: object) -> dict[str, object]:
 
 
 async def test_streamed_multibyte_reply(
-    app_for: Callable[..., tuple[FastAPI, LocalPipeline]],
+    app_for: Callable[..., tuple[App, LocalPipeline]],
 ) -> None:
     app, backend = app_for()
     body = chat(stream=True, stream_options={"include_usage": True})
@@ -113,7 +112,7 @@ async def test_streamed_multibyte_reply(
 
 
 async def test_stop_string_cuts_the_reply_and_the_engine(
-    app_for: Callable[..., tuple[FastAPI, LocalPipeline]],
+    app_for: Callable[..., tuple[App, LocalPipeline]],
 ) -> None:
     app, backend = app_for()
     async with client_for(app) as client:
@@ -125,7 +124,7 @@ async def test_stop_string_cuts_the_reply_and_the_engine(
 
 
 async def test_max_tokens_and_completions_endpoint(
-    app_for: Callable[..., tuple[FastAPI, LocalPipeline]],
+    app_for: Callable[..., tuple[App, LocalPipeline]],
 ) -> None:
     app, backend = app_for()
     async with client_for(app) as client:
@@ -140,9 +139,9 @@ async def test_max_tokens_and_completions_endpoint(
 
 
 async def test_prompt_too_long_is_a_400(
-    app_for: Callable[..., tuple[FastAPI, LocalPipeline]],
+    app_for: Callable[..., tuple[App, LocalPipeline]],
 ) -> None:
-    app, _ = app_for(max_model_len=16)
+    app, _ = app_for(max_model_len=32)
     long_prompt = "word " * 50
     async with client_for(app) as client:
         unary = await client.post("/v1/completions", json={"model": MODEL, "prompt": long_prompt})

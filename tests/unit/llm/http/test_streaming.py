@@ -1,12 +1,11 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import httpx
 import openai
 import pytest
-from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
 from dynagraph.errors import EngineError
@@ -14,6 +13,7 @@ from dynagraph.llm.protocol import TextChunk
 
 from .conftest import (
     MODEL,
+    AppFactory,
     FakeBackend,
     chat_body,
     chunks_for,
@@ -22,8 +22,6 @@ from .conftest import (
     raw_asgi_call,
     sse_events,
 )
-
-AppFactory = Callable[..., FastAPI]
 
 
 async def test_chat_stream_format(make_app: AppFactory) -> None:
@@ -196,7 +194,8 @@ class TaskRecordingBackend(FakeBackend):
         super().__init__(chunks_for(["a", "b", "c"]))
         self.tasks: list[asyncio.Task[object] | None] = []
 
-    async def generate(self, request: object, request_id: str) -> AsyncIterator[TextChunk]:  # type: ignore[override]
+    async def generate(self, request: object, request_id: str,  # type: ignore[override]
+                       tenant: object = None) -> AsyncIterator[TextChunk]:
         async with asyncio.timeout(10):
             for chunk in self.chunks:
                 self.tasks.append(asyncio.current_task())

@@ -10,11 +10,12 @@ from collections.abc import AsyncIterator, Callable
 import httpx
 import pytest
 import uvicorn
-from fastapi import FastAPI
+
+from dynagraph.llm.http.asgi import App
 
 from .conftest import MODEL, FakeBackend, chat_body, chunks_for
 
-AppFactory = Callable[..., FastAPI]
+AppFactory = Callable[..., App]
 
 
 @pytest.fixture

@@ -84,3 +84,16 @@ def test_bad_config() -> None:
         BlockHasher(32, "xxhash")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="block_size"):
         BlockHasher(0)
+
+
+SALTED = [2568054554326681913, 3495638639682938195, 7760729844423388877, 13950834164718238296]
+"""vLLM 0.32's hashes of TOKENS for a request with cache_salt "tenant-salt-1" (the salt is
+an extra key of the first block only)."""
+
+
+def test_a_cache_salt_changes_every_hash_as_vllm_does() -> None:
+    hasher = BlockHasher(32)
+    salted = hasher.block_hashes(TOKENS, cache_salt="tenant-salt-1")
+    assert salted == SALTED
+    assert not set(salted) & set(hasher.block_hashes(TOKENS))
+    assert hasher.block_hashes(TOKENS, cache_salt="") == hasher.block_hashes(TOKENS)

@@ -13,8 +13,7 @@ import pytest
 
 from dynagraph.errors import InstanceUnavailable, InvalidRequest, RemoteError
 from dynagraph.runtime.rpc import ProtocolError, RequestContext, RpcClient, RpcServer
-
-from ._support import collect
+from tests.support.poll import collect
 
 
 async def test_streams_all_items_then_ends(server: RpcServer, client: RpcClient) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import struct
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -14,8 +15,7 @@ from dynagraph.errors import InstanceUnavailable, StreamBroken
 from dynagraph.runtime.rpc import RequestContext, RpcClient, RpcServer
 from dynagraph.runtime.rpc._client import READ_HIGH_WATER
 from dynagraph.runtime.rpc._framing import FrameEncoder
-
-from ._support import collect, wait_until
+from tests.support.poll import collect, until
 
 
 class Slow:
@@ -38,19 +38,29 @@ class Slow:
             raise
 
 
+@contextlib.asynccontextmanager
+async def serving(name: str, handler: Any, heartbeat_s: float | None = None
+                  ) -> AsyncIterator[RpcServer]:
+    """A started server with ``handler`` as endpoint ``name``, stopped (0.1 s grace) after."""
+    srv = RpcServer() if heartbeat_s is None else RpcServer(heartbeat_s=heartbeat_s)
+    srv.add_endpoint(name, handler)
+    await srv.start()
+    try:
+        yield srv
+    finally:
+        await srv.stop(grace=0.1)
+
+
 @pytest.fixture
 async def slow_server() -> AsyncIterator[tuple[RpcServer, Slow]]:
     slow = Slow()
-    srv = RpcServer()
-    srv.add_endpoint("slow", slow)
-    await srv.start()
-    yield srv, slow
-    await srv.stop(grace=0.1)
+    async with serving("slow", slow) as srv:
+        yield srv, slow
 
 
 async def assert_cancelled_promptly(slow: Slow) -> None:
     start = time.monotonic()
-    await wait_until(lambda: slow.cancelled_at is not None, within=1.0)
+    await until(lambda: slow.cancelled_at is not None, within=1.0)
     assert slow.cancelled_at is not None and slow.cancelled_at - start < 0.1
     assert slow.ctx is not None and slow.ctx.cancelled
 
@@ -97,9 +107,71 @@ async def test_idle_timeout_breaks_and_cancels_a_silent_stream(
         assert await anext(stream) == "first"
         with pytest.raises(StreamBroken, match="sent nothing for 0.05s"):
             await anext(stream)
-        await wait_until(lambda: slow.cancelled_at is not None, within=1.0)
+        await until(lambda: slow.cancelled_at is not None, within=1.0)
     finally:
         await impatient.close()
+
+
+async def test_a_freeze_of_the_whole_host_is_not_taken_for_a_silent_callee() -> None:
+    """Caller and callee on one loop: a quiet stream (heartbeats every 0.1 s), then the
+    whole host freezes for several idle limits (seen on this VM under an engine's load:
+    every process paused 2-7 s). The caller's own stall is not the callee's silence."""
+    async def quiet(payload: Any, ctx: RequestContext) -> AsyncIterator[str]:
+        yield "first"
+        await asyncio.sleep(0.8)
+        yield "second"
+
+    impatient = RpcClient(idle_timeout=0.4)
+    async with serving("quiet", quiet, heartbeat_s=0.1) as srv:
+        try:
+            stream = impatient.call(srv.address, "quiet", None)
+            assert await anext(stream) == "first"
+            asyncio.get_running_loop().call_later(0.15, time.sleep, 1.5)  # everything stops
+            assert await anext(stream) == "second"
+        finally:
+            await impatient.close()
+
+
+async def test_a_stall_of_the_caller_is_not_taken_for_a_silent_callee() -> None:
+    """The server (its own thread and loop) answers in time, but the caller's loop is
+    blocked past its idle limit: the bytes waiting on the socket end the wait, no
+    StreamBroken (a starved Frontend once broke healthy streams this way)."""
+    import threading
+
+    ready = threading.Event()
+    box: dict[str, Any] = {}
+
+    async def answers(payload: Any, ctx: RequestContext) -> AsyncIterator[str]:
+        yield "first"
+        await asyncio.sleep(0.1)
+        yield "second"
+
+    def serve() -> None:
+        async def main() -> None:
+            srv = RpcServer()
+            srv.add_endpoint("answers", answers)
+            await srv.start()
+            box["srv"], box["stop"] = srv, asyncio.Event()
+            ready.set()
+            await box["stop"].wait()
+            await srv.stop(grace=0.1)
+        box["loop"] = asyncio.new_event_loop()
+        box["loop"].run_until_complete(main())
+        box["loop"].close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    assert ready.wait(10)
+    impatient = RpcClient(idle_timeout=0.3)
+    try:
+        stream = impatient.call(box["srv"].address, "answers", None)
+        assert await anext(stream) == "first"
+        asyncio.get_running_loop().call_later(0.01, time.sleep, 0.6)  # the caller stalls
+        assert await anext(stream) == "second"
+    finally:
+        await impatient.close()
+        box["loop"].call_soon_threadsafe(box["stop"].set)
+        thread.join(10)
 
 
 async def test_a_cancelled_connection_is_not_reused(
@@ -137,7 +209,7 @@ async def test_slow_consumer_holds_a_fast_producer(client: RpcClient) -> None:
         assert conn is not None and conn._decoder.buffered <= READ_HIGH_WATER + (256 << 10)
         for _ in range(produced // 2):
             await anext(stream)
-        await wait_until(lambda: produced > last)  # reading resumes the producer
+        await until(lambda: produced > last)  # reading resumes the producer
         await stream.aclose()
     finally:
         await srv.stop(grace=0.1)
@@ -157,7 +229,7 @@ async def test_server_stop_lets_streams_finish_within_grace(client: RpcClient) -
     stream = client.call(srv.address, "finishing", None)
     assert await anext(stream) == 1
     stopping = asyncio.create_task(srv.stop(grace=2.0))
-    await wait_until(lambda: srv.stopping)
+    await until(lambda: srv.stopping)
     with pytest.raises(InstanceUnavailable):  # no new connections while stopping
         await collect(client.call(srv.address, "finishing", None))
     release.set()
@@ -242,7 +314,49 @@ async def test_connection_lost_mid_stream_is_stream_broken(client: RpcClient) ->
         assert got == ["a", "b"]
 
 
-async def test_connection_lost_before_any_response_is_stream_broken(client: RpcClient) -> None:
+async def test_connection_lost_before_the_request_was_taken_is_unavailable(
+        client: RpcClient) -> None:
+    """No frame at all: the server never started a handler, so the caller may go elsewhere."""
     async with FakeServer(b"") as address:
+        with pytest.raises(InstanceUnavailable, match="before taking 'x'"):
+            await collect(client.call(address, "x", None))
+
+
+async def test_connection_lost_after_the_request_was_taken_is_stream_broken(
+        client: RpcClient) -> None:
+    async with FakeServer(FrameEncoder().alive()) as address:
         with pytest.raises(StreamBroken):
             await collect(client.call(address, "x", None))
+
+
+async def test_heartbeats_keep_a_quiet_stream_alive() -> None:
+    async def quiet(payload: Any, ctx: RequestContext) -> AsyncIterator[Any]:
+        await asyncio.sleep(0.3)  # thinking, far longer than the caller's idle limit
+        yield "late"
+
+    patient = RpcClient(idle_timeout=0.1)
+    async with serving("quiet", quiet, heartbeat_s=0.02) as srv:
+        try:
+            assert await collect(patient.call(srv.address, "quiet", None)) == ["late"]
+        finally:
+            await patient.close()
+
+
+async def test_stop_cancels_subscriptions_at_once_and_drains_requests() -> None:
+    sub, req = Slow(), Slow()
+    srv = RpcServer()
+    srv.add_endpoint("events", sub, drain=False)
+    srv.add_endpoint("generate", req)
+    await srv.start()
+    cl = RpcClient()
+    try:
+        events = cl.call(srv.address, "events", None)
+        generate = cl.call(srv.address, "generate", None)
+        assert await anext(events) == "first" and await anext(generate) == "first"
+        stopping = asyncio.create_task(srv.stop(grace=0.5))
+        await until(lambda: sub.cancelled_at is not None, within=0.2)  # not after the grace
+        assert req.cancelled_at is None  # a request in flight gets its grace
+        await stopping
+        assert req.cancelled_at is not None
+    finally:
+        await cl.close()

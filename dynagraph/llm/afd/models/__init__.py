@@ -1,0 +1,1 @@
+"""vLLM model classes with attention-FFN disaggregation (import only inside vLLM)."""

@@ -1,0 +1,1 @@
+"""Timing profiles shipped with the mocker engine (``<name>.json``; see ``..profile``)."""

@@ -1,0 +1,91 @@
+"""Admission control at the Frontend: a bounded number of requests in flight, a bounded
+queue in front of them, a deadline in the queue. Nothing is dropped silently: a request
+that cannot get in is refused at once (HTTP 429 with ``Retry-After``) and everything
+admitted is counted until it is released.
+
+    admission = Admission(max_inflight=256, max_queued=512, queue_timeout=30)
+    release = await admission.acquire()     # raises Overloaded
+    try: ... finally: release()
+
+Waiters are served in arrival order. Memory is bounded by ``max_inflight + max_queued``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections import deque
+from collections.abc import Callable
+
+
+class Overloaded(Exception):
+    """No room for the request; ``retry_after`` seconds is a fair time to come back."""
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class Admission:
+    def __init__(self, *, max_inflight: int, max_queued: int, queue_timeout: float) -> None:
+        if max_inflight < 1 or max_queued < 0 or queue_timeout < 0:
+            raise ValueError("need max_inflight >= 1, max_queued >= 0, queue_timeout >= 0")
+        self.max_inflight = max_inflight
+        self.max_queued = max_queued
+        self.queue_timeout = queue_timeout
+        self.inflight = 0
+        self._waiters: deque[asyncio.Future[None]] = deque()
+
+    @property
+    def queued(self) -> int:
+        return len(self._waiters)
+
+    async def acquire(self) -> Callable[[], None]:
+        """A slot (call the returned function exactly once to give it back)."""
+        if self.inflight < self.max_inflight and not self._waiters:
+            self.inflight += 1
+            return self._releaser()
+        if len(self._waiters) >= self.max_queued:
+            raise Overloaded(f"the server is at capacity ({self.inflight} requests in flight, "
+                             f"{len(self._waiters)} queued)", self._retry_after())
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        try:
+            await asyncio.wait_for(asyncio.shield(fut), self.queue_timeout)
+        except TimeoutError:
+            if fut.done() and not fut.cancelled():
+                return self._releaser()  # handed a slot just as the deadline passed
+            fut.cancel()
+            raise Overloaded(f"no room for the request within {self.queue_timeout:g}s",
+                             self._retry_after()) from None
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self._release()  # the slot was ours: pass it on
+            fut.cancel()
+            raise
+        finally:
+            if fut in self._waiters:
+                self._waiters.remove(fut)
+        return self._releaser()
+
+    def _releaser(self) -> Callable[[], None]:
+        done = False
+
+        def release() -> None:
+            nonlocal done
+            if not done:
+                done = True
+                self._release()
+
+        return release
+
+    def _release(self) -> None:
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)  # the slot moves to the first live waiter
+                return
+        self.inflight -= 1
+
+    def _retry_after(self) -> int:
+        return max(1, math.ceil(min(self.queue_timeout, 30.0) / 4))

@@ -1,0 +1,184 @@
+"""SLO-aware admission: admit, delay or shed one request, from a snapshot of the workers'
+pressure and the request's SLO class. Pure: no clock, no I/O.
+
+The Router reports, with each decision, the pressure of the candidate workers
+(:class:`Pressure`: per worker its running and waiting requests, the requests the Router
+itself has in flight there, KV usage, and a predicted time to first token where the
+Router has one). The Processor asks :meth:`SloAdmission.decide` before it sends a request
+on. Classes in ``defer-classes`` (``batch`` by default) are *deferrable*: they are
+delayed while the system is under pressure and shed when it is far over; every other
+class is always admitted (vLLM's priority scheduling serves it first).
+
+Pressure is judged on the *least* pressured candidate (a request can go there), one
+level per signal, the highest of them counting::
+
+    requests = max(running + waiting, inflight)      # reports lag; the Router's count not
+    delay  if requests >= delay-at-requests  or kv_usage >= delay-at-kv-usage
+              or predicted_ttft >= delay-at-ttft * target
+    shed   if requests >= shed-at-requests   or kv_usage >= shed-at-kv-usage
+              or predicted_ttft >= shed-at-ttft * target
+
+``target`` is the tightest TTFT target of the classes that are *not* deferrable (the work
+the admission protects). A deferrable request that is delayed waits ``delay-step`` s and
+asks again; once it has waited ``max-delay`` s it is shed. A shed request is refused with
+HTTP 429 and ``Retry-After`` (nothing is dropped silently).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+
+import msgspec
+from pydantic import Field, model_validator
+
+from dynagraph.config import ConfigModel
+from dynagraph.errors import ConfigError
+from dynagraph.llm.tenants.slo import SloClass
+
+
+class WorkerPressure(msgspec.Struct, frozen=True, omit_defaults=True):
+    """One candidate worker's pressure, as the Router sees it."""
+
+    worker_id: int
+    running: int = 0
+    waiting: int = 0
+    inflight: int = 0
+    """Requests this Router routed to the worker that have not finished."""
+    kv_usage: float = 0.0
+    predicted_ttft_s: float | None = None
+    """A new request's predicted seconds to first token there (None: no prediction)."""
+
+    @property
+    def requests(self) -> int:
+        return max(self.running + self.waiting, self.inflight)
+
+
+class Pressure(msgspec.Struct, frozen=True, omit_defaults=True):
+    """The candidates' pressure (empty: the Router knows no load)."""
+
+    workers: list[WorkerPressure] = []
+
+
+class Action(StrEnum):
+    ADMIT = "admit"
+    DELAY = "delay"
+    SHED = "shed"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    action: Action
+    reason: str = ""
+    delay_s: float = 0.0
+    """How long to wait before asking again (``DELAY`` only)."""
+    retry_after: int = 0
+    """Seconds the client should wait before retrying (``SHED`` only)."""
+
+
+class SloAdmissionConfig(ConfigModel):
+    """The Processor's ``slo-admission`` block."""
+
+    enabled: bool = False
+    defer_classes: list[str] = Field(default_factory=lambda: ["batch"])
+    """Classes delayed, then shed, under pressure; the others are always admitted."""
+    delay_at_requests: int = Field(default=8, ge=1)
+    """Requests (running + waiting, or in flight from this Router) on the least loaded
+    worker at which deferrable work waits."""
+    shed_at_requests: int = Field(default=32, ge=1)
+    delay_at_kv_usage: float = Field(default=0.85, gt=0.0, le=1.0)
+    shed_at_kv_usage: float = Field(default=0.98, gt=0.0, le=1.0)
+    delay_at_ttft: float = Field(default=0.5, gt=0.0)
+    """Fraction of the tightest protected TTFT target a predicted TTFT may reach before
+    deferrable work waits (used only where the Router predicts TTFT)."""
+    shed_at_ttft: float = Field(default=1.0, gt=0.0)
+    delay_step: float = Field(default=0.25, gt=0.0)
+    """Seconds between a delayed request's checks."""
+    max_delay: float = Field(default=30.0, ge=0.0)
+    """Seconds a deferrable request may wait; then it is shed."""
+
+    @model_validator(mode="after")
+    def _ordered(self) -> SloAdmissionConfig:
+        for low, high, name in ((self.delay_at_requests, self.shed_at_requests, "requests"),
+                                (self.delay_at_kv_usage, self.shed_at_kv_usage, "kv-usage"),
+                                (self.delay_at_ttft, self.shed_at_ttft, "ttft")):
+            if low > high:
+                raise ValueError(f"delay-at-{name} ({low}) must not exceed "
+                                 f"shed-at-{name} ({high})")
+        return self
+
+
+_OK, _DELAY, _SHED = 0, 1, 2
+
+
+class SloAdmission:
+    """``decide(pressure, slo_class, waited_s)`` for one configuration and set of classes."""
+
+    def __init__(self, config: SloAdmissionConfig, classes: Mapping[str, SloClass]) -> None:
+        unknown = sorted(set(config.defer_classes) - set(classes))
+        if unknown:
+            raise ConfigError(f"defer-classes names unknown SLO classes {unknown} (known: "
+                              f"{', '.join(sorted(classes))})", key="slo-admission")
+        self.config = config
+        self.defer = frozenset(config.defer_classes)
+        targets = [c.ttft_ms for name, c in classes.items()
+                   if name not in self.defer and c.ttft_ms is not None]
+        self.target_s: float | None = min(targets) / 1000.0 if targets else None
+        """The tightest TTFT target of the protected classes, in seconds."""
+
+    def deferrable(self, slo_class: str) -> bool:
+        return self.config.enabled and slo_class in self.defer
+
+    def level(self, w: WorkerPressure) -> tuple[int, str]:
+        """(0 ok / 1 delay / 2 shed, why) for one worker."""
+        c = self.config
+        found: tuple[int, str] = (_OK, "")
+        checks: list[tuple[int, str]] = []
+        n = w.requests
+        if n >= c.shed_at_requests:
+            checks.append((_SHED, f"{n} requests on the least loaded worker "
+                                  f"(shed at {c.shed_at_requests})"))
+        elif n >= c.delay_at_requests:
+            checks.append((_DELAY, f"{n} requests on the least loaded worker "
+                                   f"(delay at {c.delay_at_requests})"))
+        if w.kv_usage >= c.shed_at_kv_usage:
+            checks.append((_SHED, f"KV cache {w.kv_usage:.0%} full (shed at "
+                                  f"{c.shed_at_kv_usage:.0%})"))
+        elif w.kv_usage >= c.delay_at_kv_usage:
+            checks.append((_DELAY, f"KV cache {w.kv_usage:.0%} full (delay at "
+                                   f"{c.delay_at_kv_usage:.0%})"))
+        if w.predicted_ttft_s is not None and self.target_s is not None:
+            ratio = w.predicted_ttft_s / self.target_s
+            what = (f"predicted TTFT {w.predicted_ttft_s:.2f}s against the protected "
+                    f"target {self.target_s:g}s")
+            if ratio >= c.shed_at_ttft:
+                checks.append((_SHED, what))
+            elif ratio >= c.delay_at_ttft:
+                checks.append((_DELAY, what))
+        for lvl, why in checks:
+            if lvl > found[0]:
+                found = (lvl, why)
+        return found
+
+    def decide(self, pressure: Pressure | None, slo_class: str, waited_s: float = 0.0
+               ) -> Verdict:
+        """What to do with a request of ``slo_class`` that has waited ``waited_s`` so far."""
+        if not self.deferrable(slo_class):
+            return Verdict(Action.ADMIT, "not deferrable")
+        if pressure is None or not pressure.workers:
+            return Verdict(Action.ADMIT, "no load known")
+        lvl, why = min((self.level(w) for w in pressure.workers), key=lambda x: x[0])
+        c = self.config
+        retry = max(1, math.ceil(max(c.max_delay / 4, c.delay_step)))
+        if lvl == _OK:
+            return Verdict(Action.ADMIT, "below the delay thresholds")
+        if lvl == _SHED:
+            return Verdict(Action.SHED, f"{slo_class} work shed under pressure: {why}",
+                           retry_after=retry)
+        if waited_s + c.delay_step > c.max_delay:
+            return Verdict(Action.SHED, f"{slo_class} work shed after waiting "
+                                        f"{waited_s:.1f}s under pressure: {why}",
+                           retry_after=retry)
+        return Verdict(Action.DELAY, f"{slo_class} work delayed: {why}", delay_s=c.delay_step)

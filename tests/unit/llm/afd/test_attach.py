@@ -1,0 +1,125 @@
+"""The VllmWorker's side: which instances are FfnWorkers, waiting for coverage, the AFD
+file and the engine arguments it hands to vLLM, and the clear error on failure."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dynagraph.errors import EngineError
+from dynagraph.llm.afd.attach import AfdAttachment, live_peers
+from dynagraph.llm.afd.errors import AfdUnavailable
+from dynagraph.llm.afd.settings import AfdOptions, read_engine_config
+from dynagraph.llm.engines.vllm_engine import VllmEngineArgs
+
+
+@dataclass
+class Inst:
+    instance_id: int
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+def record(name: str, layers: list[int], model: str = "m", experts: list[int] | None = None
+           ) -> dict[str, Any]:
+    return {"afd": {"instance": name, "model": model, "tcp": "127.0.0.1:9", "uds": "@x",
+                    "host": "h", "layers": layers, "experts": experts}}
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({
+        "architectures": ["MixtralForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_local_experts": 4, "num_experts_per_tok": 2,
+        "dtype": "bfloat16"}))
+    return d
+
+
+def test_live_peers_keeps_ffn_workers_of_this_model() -> None:
+    insts = [Inst(1, record("b", [0])), Inst(2, {"pid": 3}), Inst(3, record("a", [1])),
+             Inst(4, record("c", [0], model="other")), Inst(5, {"afd": {"instance": "bad"}})]
+    assert [p.instance for p in live_peers(insts, "m")] == ["a", "b"]
+
+
+async def test_prepare_waits_for_coverage_then_selects_the_afd_model(model_dir: Path) -> None:
+    instances: list[Inst] = [Inst(1, record("e01", [0, 1], experts=[0, 1]))]
+    afd = AfdAttachment(AfdOptions(ping_pong=False, wait_for_workers_s=5), str(model_dir),
+                        lambda: list(instances))
+    try:
+        args = VllmEngineArgs(model=str(model_dir), extra_engine_args={"hf_overrides": {"x": 1}})
+        task = asyncio.create_task(afd.prepare(args))
+        await asyncio.sleep(0.4)
+        assert not task.done()                      # experts 2-3 are missing
+        instances.append(Inst(2, record("e23", [0, 1], experts=[2, 3])))
+        ready = await asyncio.wait_for(task, 5)
+        overrides = ready.extra_engine_args["hf_overrides"]
+        assert overrides["architectures"] == ["AfdMixtralForCausalLM"]
+        assert overrides["x"] == 1 and overrides["afd_config_path"] == str(afd.path)
+        cfg = read_engine_config(afd.path)
+        assert cfg.model == "m" and not cfg.ping_pong
+        assert [p.instance for p in cfg.peers] == ["e01", "e23"]
+        follow = asyncio.create_task(afd.follow())
+        instances.pop(0)
+        for _ in range(40):
+            await asyncio.sleep(0.05)
+            if [p.instance for p in read_engine_config(afd.path).peers] == ["e23"]:
+                break
+        assert [p.instance for p in read_engine_config(afd.path).peers] == ["e23"]
+        follow.cancel()
+    finally:
+        afd.close()
+    assert not afd.path.parent.exists()
+
+
+async def test_prepare_gives_up_naming_the_missing_layers(model_dir: Path) -> None:
+    afd = AfdAttachment(AfdOptions(wait_for_workers_s=0.3), str(model_dir),
+                        lambda: [Inst(1, record("l0", [0]))])
+    try:
+        with pytest.raises(AfdUnavailable, match=r"no FfnWorkers for layers \[1\]"):
+            await afd.prepare(VllmEngineArgs(model=str(model_dir)))
+    finally:
+        afd.close()
+
+
+async def test_a_dead_engine_is_restarted_once_every_layer_is_covered(model_dir: Path) -> None:
+    instances: list[Inst] = [Inst(1, record("l0", [0]))]
+    afd = AfdAttachment(AfdOptions(), str(model_dir), lambda: list(instances))
+    restarts: list[float] = []
+
+    async def restart() -> None:
+        restarts.append(asyncio.get_running_loop().time())
+
+    follow = asyncio.create_task(afd.follow(restart))
+    try:
+        afd.error_file.write_text("no FfnWorker can compute layer 1\n")
+        await asyncio.sleep(0.6)
+        assert restarts == []                       # layer 1 still has no worker
+        instances.append(Inst(2, record("l1", [1])))
+        for _ in range(40):
+            await asyncio.sleep(0.05)
+            if restarts:
+                break
+        await asyncio.sleep(0.3)
+        assert len(restarts) == 1 and not afd.error_file.exists()
+    finally:
+        follow.cancel()
+        afd.close()
+
+
+def test_explain_prefers_the_connector_reason(model_dir: Path) -> None:
+    afd = AfdAttachment(AfdOptions(), str(model_dir), list)
+    try:
+        plain = EngineError("engine dead")
+        assert afd.explain(plain) is plain
+        afd.error_file.write_text("no FfnWorker can compute layer 1\n")
+        explained = afd.explain(plain)
+        assert isinstance(explained, EngineError)
+        assert str(explained).endswith("failed: no FfnWorker can compute layer 1")
+    finally:
+        afd.close()

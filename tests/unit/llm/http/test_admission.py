@@ -1,0 +1,55 @@
+"""Admission: bounded in flight, bounded FIFO queue with a deadline, exact accounting."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from dynagraph.llm.http.admission import Admission, Overloaded
+
+
+async def test_slots_then_queue_then_refusal() -> None:
+    adm = Admission(max_inflight=2, max_queued=1, queue_timeout=5)
+    r1, r2 = await adm.acquire(), await adm.acquire()
+    waiter = asyncio.create_task(adm.acquire())
+    await asyncio.sleep(0)
+    assert adm.inflight == 2 and adm.queued == 1 and not waiter.done()
+    with pytest.raises(Overloaded, match="at capacity") as info:
+        await adm.acquire()  # queue full: refused at once
+    assert info.value.retry_after >= 1
+    r1()
+    r3 = await asyncio.wait_for(waiter, 1)  # the freed slot went to the waiter
+    assert adm.inflight == 2 and adm.queued == 0
+    r1()  # releasing twice is harmless
+    r2()
+    r3()
+    assert adm.inflight == 0
+
+
+async def test_the_queue_deadline_refuses_and_forgets_the_waiter() -> None:
+    adm = Admission(max_inflight=1, max_queued=4, queue_timeout=0.05)
+    release = await adm.acquire()
+    with pytest.raises(Overloaded, match="within 0.05s"):
+        await adm.acquire()
+    assert adm.queued == 0
+    release()
+    assert adm.inflight == 0
+
+
+async def test_waiters_are_served_in_order_and_a_cancelled_one_passes_its_turn() -> None:
+    adm = Admission(max_inflight=1, max_queued=4, queue_timeout=5)
+    release = await adm.acquire()
+    order: list[int] = []
+
+    async def wait(i: int) -> None:
+        rel = await adm.acquire()
+        order.append(i)
+        rel()
+
+    tasks = [asyncio.create_task(wait(i)) for i in range(3)]
+    await asyncio.sleep(0)
+    tasks[1].cancel()
+    release()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    assert order == [0, 2] and adm.inflight == 0 and adm.queued == 0
