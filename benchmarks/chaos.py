@@ -41,14 +41,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import (  # noqa: E402
-    ManagedProcess,
-    StreamResult,
-    machine_info,
-    percentile,
-    stream_request,
-    write_results,
-)
+from benchmarks import _common as bench  # noqa: E402
 from dynagraph.errors import DiscoveryError  # noqa: E402
 from dynagraph.runtime.discovery import EtcdDiscovery, endpoint_prefix  # noqa: E402
 from dynagraph.runtime.infra import LocalService, start_etcd, start_nats  # noqa: E402
@@ -69,10 +62,10 @@ class Window:
     migrations: float = 0.0
     note: str = ""
     recovery_s: float = 0.0
-    results: list[StreamResult] = field(default_factory=list)
+    results: list[bench.StreamResult] = field(default_factory=list)
 
 
-def pids_of(graph: ManagedProcess, component: str) -> list[int]:
+def pids_of(graph: bench.ManagedProcess, component: str) -> list[int]:
     """PIDs of ``component``'s processes from the ready banner and restart lines."""
     found: dict[str, int] = {}
     for line in graph.lines:
@@ -83,7 +76,7 @@ def pids_of(graph: ManagedProcess, component: str) -> list[int]:
     return [p for p in found.values() if pid_alive(p)]
 
 
-def migrations(graph: ManagedProcess) -> float:
+def migrations(graph: bench.ManagedProcess) -> float:
     import urllib.request
 
     total = 0.0
@@ -126,7 +119,7 @@ async def recovered(etcd_url: str, want: dict[str, int], within: float) -> float
         await asyncio.sleep(1.0)
 
 
-async def fault(name: str, graph: ManagedProcess, etcd: LocalService, nats: LocalService,
+async def fault(name: str, graph: bench.ManagedProcess, etcd: LocalService, nats: LocalService,
                 stop_seconds: float) -> str:
     if name in ("kill-decode", "stop-decode", "kill-prefill"):
         comp = "PrefillWorker" if name == "kill-prefill" else "VllmWorker"
@@ -152,7 +145,7 @@ def prompt(rng: random.Random, i: int) -> str:
     return f"{shared[i % 2]}Request {i}: {words}"
 
 
-async def load(url: str, stop: asyncio.Event, results: list[StreamResult], *,
+async def load(url: str, stop: asyncio.Event, results: list[bench.StreamResult], *,
                concurrency: int, max_tokens: int) -> None:
     import aiohttp
 
@@ -165,7 +158,7 @@ async def load(url: str, stop: asyncio.Event, results: list[StreamResult], *,
             body = {"model": MODEL, "prompt": prompt(rng, i), "max_tokens": max_tokens,
                     "temperature": 0, "ignore_eos": True, "stream": True,
                     "stream_options": {"include_usage": True}}
-            res = await stream_request(session, f"{url}/v1/completions", body, 120.0)
+            res = await bench.stream_request(session, f"{url}/v1/completions", body, 120.0)
             results.append(res)
             if res.error is not None:
                 await asyncio.sleep(0.2)  # a refused request: back off a little
@@ -175,7 +168,7 @@ async def load(url: str, stop: asyncio.Event, results: list[StreamResult], *,
         await asyncio.gather(*(client(session) for _ in range(concurrency)))
 
 
-def short(r: StreamResult, max_tokens: int) -> bool:
+def short(r: bench.StreamResult, max_tokens: int) -> bool:
     """Ended without an error event, yet cut off: no finish reason/[DONE], or too few tokens."""
     return r.error is None and (r.truncated or r.completion_tokens < max_tokens)
 
@@ -193,8 +186,8 @@ def window_stats(w: Window, max_tokens: int) -> dict[str, Any]:
         "failed": sum(r.error is not None for r in done),
         "truncated": sum(short(r, max_tokens) for r in done),
         "migrated": w.migrations,
-        "ttft_p99_ms": round(percentile(ttft, 99), 1) if ttft else None,
-        "itl_p99_ms": round(percentile(itl, 99), 1) if itl else None,
+        "ttft_p99_ms": round(bench.percentile(ttft, 99), 1) if ttft else None,
+        "itl_p99_ms": round(bench.percentile(itl, 99), 1) if itl else None,
         "first_error": next((r.error for r in done if r.error), None),
         "failed_started_at_s": [round(r.start - w.start, 2) for r in done if r.error],
     }
@@ -206,12 +199,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     env = {**os.environ, "ETCD_ENDPOINTS": etcd.url, "NATS_SERVER": nats.url,
            "PYTHONUNBUFFERED": "1"}
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    graph = ManagedProcess(
+    graph = bench.ManagedProcess(
         [sys.executable, "-m", "dynagraph.cli.main", "serve", f"graphs.{args.graph}:Frontend",
          "-f", f"configs/{args.graph}.yaml", "--Frontend.port=0", f"--Common.model={model_dir}",
          *args.serve_arg], env, name=args.graph)
     windows: list[Window] = []
-    results: list[StreamResult] = []
+    results: list[bench.StreamResult] = []
     try:
         graph.wait_line(lambda s: s.startswith("dynamo serve: graph "), 300)
         url = re.search(r"url=(http://\S+)", "\n".join(graph.lines)).group(1)  # type: ignore[union-attr]
@@ -251,8 +244,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     rows = [window_stats(w, args.max_tokens) for w in windows]
     total = {"sent": len(results), "failed": sum(r.error is not None for r in results),
              "truncated": sum(short(r, args.max_tokens) for r in results)}
-    return {"graph": args.graph, "args": {k: str(v) if isinstance(v, Path) else v
-                                          for k, v in vars(args).items()}, "machine": machine_info(),
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    return {"graph": args.graph, "args": settings, "machine": bench.machine_info(),
             "total": total, "windows": rows}
 
 
@@ -300,7 +293,7 @@ def main() -> None:
     logging.getLogger("dynagraph").setLevel(logging.WARNING)  # our polls' connect lines
     data = asyncio.run(run(args))
     md = markdown(data)
-    write_results(f"chaos_{args.graph}", data, md)
+    bench.write_results(f"chaos_{args.graph}", data, md)
     print(md)
 
 

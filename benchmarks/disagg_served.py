@@ -25,14 +25,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import (  # noqa: E402
-    REPO,
-    ManagedProcess,
-    completion_ttft,
-    machine_info,
-    markdown_table,
-    write_results,
-)
+from benchmarks import _common as bench  # noqa: E402
 from dynagraph.runtime.infra import free_port, local_infra  # noqa: E402
 from tests.support.metrics import scrape as metrics_text  # noqa: E402
 from tests.support.metrics import total  # noqa: E402
@@ -51,7 +44,7 @@ def scrape(address: str) -> dict[str, float]:
 
 
 def run(requests: int) -> list[dict[str, Any]]:
-    model_dir = ensure_model(REPO / "models" / "tiny-llama")
+    model_dir = ensure_model(bench.REPO / "models" / "tiny-llama")
     port = free_port()
     rows: list[dict[str, Any]] = []
     with local_infra(etcd=True, nats=True) as infra:
@@ -59,7 +52,7 @@ def run(requests: int) -> list[dict[str, Any]]:
                "NATS_SERVER": infra["nats"].url, "PYTHONUNBUFFERED": "1"}
         cmd = [sys.executable, "-m", "dynagraph.cli.main", "serve", "graphs.disagg:Frontend",
                "-f", "configs/disagg.yaml", f"--Frontend.port={port}", f"--Common.model={model_dir}"]
-        server = ManagedProcess(cmd, env, name="disagg")
+        server = bench.ManagedProcess(cmd, env, name="disagg")
         try:
             banner, _ = server.wait_line(lambda s: "VllmWorker[0] pid=" in s, 300)
             m = re.search(r"metrics=(\S+)", banner)
@@ -69,8 +62,8 @@ def run(requests: int) -> list[dict[str, Any]]:
             for label, sentences in SIZES.items():
                 for i in range(requests + 1):
                     before = scrape(m.group(1))
-                    first, tokens = completion_ttft(url, f"Served check {label} {i} {time.time()}. "
-                                         + SENTENCE * sentences)
+                    prompt = f"Served check {label} {i} {time.time()}. " + SENTENCE * sentences
+                    first, tokens = bench.completion_ttft(url, prompt)
                     after = before
                     deadline = time.monotonic() + 5
                     while after[SERIES[2]] == before[SERIES[2]] and time.monotonic() < deadline:
@@ -108,13 +101,13 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=8)
     args = ap.parse_args()
     rows = run(args.requests)
-    raw_path = REPO / "benchmarks" / "results" / "nixl_raw.json"
+    raw_path = bench.REPO / "benchmarks" / "results" / "nixl_raw.json"
     raw = ({r["prompt"]: r["gib_per_s"] for r in json.loads(raw_path.read_text())["rows"]
             if r["layout"] == "kv-blocks"} if raw_path.exists() else {})
     summary = summarize(rows, raw)
     cols = ["prompt", "requests", "tokens", "kv_bytes", "kv_transfer_ms", "kv_transfer_ms_min",
             "gib_per_s", "raw_nixl_gib_per_s", "ratio_to_raw", "ttft_ms"]
-    table = markdown_table(cols, summary)
+    table = bench.markdown_table(cols, summary)
     text = ("# KV transfers as served (graphs.disagg), medians\n\n"
             f"`python benchmarks/disagg_served.py --requests {args.requests}`: `dynamo serve "
             "graphs.disagg` with configs/disagg.yaml on the tiny model; transfer time and bytes "
@@ -122,8 +115,8 @@ def main() -> int:
             "as the HTTP client sees it (streamed, 4 tokens). Raw NIXL: "
             "`benchmarks/nixl_raw.py`, kv-blocks layout. Provisional: shared 2-core VM.\n\n"
             + "\n".join(table) + "\n")
-    write_results("disagg_served", {"summary": summary, "rows": rows, "machine": machine_info()},
-                  text)
+    data = {"summary": summary, "rows": rows, "machine": bench.machine_info()}
+    bench.write_results("disagg_served", data, text)
     print(text)
     return 0
 

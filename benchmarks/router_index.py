@@ -58,10 +58,15 @@ EVENTS_PER_BATCH = 4
 
 @dataclass(frozen=True)
 class Config:
+    """The synthetic fleet: every worker holds the ``LONG_PREFIX`` chain, some of the
+    shared ``PREFIX_BLOCKS``-block prefixes, and unique conversations up to its size."""
+
     workers: int = 64
     blocks_per_worker: int = 100_000
+    """Cached blocks each worker reports (the index holds workers x this entries)."""
     shared_prefixes: int = 1_000
     prefixes_per_worker: int = 250
+    """How many of the shared prefixes each worker holds (drawn at random)."""
     queries: int = 2_000
     seed: int = 0
 

@@ -30,20 +30,9 @@ from typing import Protocol
 
 import torch
 
+from dynagraph.llm.afd import wire
 from dynagraph.llm.afd.channel import uds_address
 from dynagraph.llm.afd.errors import ChannelError
-from dynagraph.llm.afd.wire import (
-    PROTOCOL_VERSION,
-    FfnCall,
-    FfnResult,
-    Hello,
-    Welcome,
-    dtype_name,
-    recv_header,
-    recv_tensor,
-    send_frame,
-    tensor_bytes,
-)
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +40,7 @@ DIRECT_REPLY_BYTES = 64 * 1024
 """Results up to this size go out from the reader thread: with at most a few calls in
 flight per connection they fit the socket buffer, so that send cannot block for long."""
 
-_Outbox = queue.Queue[tuple[FfnResult, memoryview | None] | None]
+_Outbox = queue.Queue[tuple[wire.FfnResult, memoryview | None] | None]
 
 
 class _Replies:
@@ -64,11 +53,11 @@ class _Replies:
         self.lock = threading.Lock()
         self.queued = 0
 
-    def send(self, result: FfnResult, payload: memoryview | None) -> None:
+    def send(self, result: wire.FfnResult, payload: memoryview | None) -> None:
         size = 0 if payload is None else len(payload)
         with self.lock:
             if self.queued == 0 and size <= DIRECT_REPLY_BYTES:
-                send_frame(self.conn, result, payload)
+                wire.send_frame(self.conn, result, payload)
                 return
             self.queued += 1
         self.outbox.put((result, payload))
@@ -80,7 +69,7 @@ class _Replies:
                 return
             try:
                 with self.lock:
-                    send_frame(self.conn, *item)
+                    wire.send_frame(self.conn, *item)
                     self.queued -= 1
             except ChannelError:
                 with contextlib.suppress(OSError):
@@ -193,22 +182,23 @@ class FfnServer:
             conn.settimeout(self.io_timeout_s)
             self._spawn(self._serve, conn, kind, name=f"afd-conn-{next(self._ids)}")
 
-    def _welcome(self, hello: Hello) -> Welcome:
+    def _welcome(self, hello: wire.Hello) -> wire.Welcome:
         c = self.compute
         problems = []
-        if hello.version != PROTOCOL_VERSION:
-            problems.append(f"protocol {hello.version} (this worker speaks {PROTOCOL_VERSION})")
+        if hello.version != wire.PROTOCOL_VERSION:
+            problems.append(
+                f"protocol {hello.version} (this worker speaks {wire.PROTOCOL_VERSION})")
         if hello.model != c.model:
             problems.append(f"model {hello.model!r} (this worker serves {c.model!r})")
         if hello.hidden_size != c.hidden_size:
             problems.append(f"hidden size {hello.hidden_size} (here {c.hidden_size})")
-        if hello.dtype != dtype_name(c.dtype):
-            problems.append(f"dtype {hello.dtype} (here {dtype_name(c.dtype)})")
+        if hello.dtype != wire.dtype_name(c.dtype):
+            problems.append(f"dtype {hello.dtype} (here {wire.dtype_name(c.dtype)})")
         if problems:
-            return Welcome(ok=False, error="mismatch: " + "; ".join(problems),
-                           instance=self.instance)
-        return Welcome(ok=True, instance=self.instance, layers=list(c.layers),
-                       experts=None if c.experts is None else list(c.experts))
+            return wire.Welcome(ok=False, error="mismatch: " + "; ".join(problems),
+                                instance=self.instance)
+        return wire.Welcome(ok=True, instance=self.instance, layers=list(c.layers),
+                            experts=None if c.experts is None else list(c.experts))
 
     def _serve(self, conn: socket.socket, kind: str) -> None:
         with self._conns_lock:
@@ -219,8 +209,8 @@ class FfnServer:
         shm: torch.Tensor | None = None
         client = "?"
         try:
-            msg, fds = recv_header(conn, with_fds=(kind == "shm"))
-            if not isinstance(msg, Hello):
+            msg, fds = wire.recv_header(conn, with_fds=(kind == "shm"))
+            if not isinstance(msg, wire.Hello):
                 raise ChannelError(f"expected hello, got {type(msg).__name__}")
             client = msg.client
             if msg.shm_bytes:
@@ -231,7 +221,7 @@ class FfnServer:
             for fd in fds:
                 os.close(fd)
             welcome = self._welcome(msg)
-            send_frame(conn, welcome)
+            wire.send_frame(conn, welcome)
             if not welcome.ok:
                 log.warning("refused %s: %s", client, welcome.error)
                 return
@@ -258,11 +248,11 @@ class FfnServer:
         c = self.compute
         row_bytes = c.hidden_size * torch.empty((), dtype=c.dtype).element_size()
         while not self._stopping.is_set():
-            msg, _ = recv_header(conn)
-            if not isinstance(msg, FfnCall):
+            msg, _ = wire.recv_header(conn)
+            if not isinstance(msg, wire.FfnCall):
                 raise ChannelError(f"expected a call, got {type(msg).__name__}")
             if msg.nbytes:
-                x = recv_tensor(conn, msg.rows, c.hidden_size, c.dtype, msg.nbytes)
+                x = wire.recv_tensor(conn, msg.rows, c.hidden_size, c.dtype, msg.nbytes)
             elif shm is not None and msg.shm_in >= 0:
                 x = shm[msg.shm_in:msg.shm_in + msg.rows * row_bytes].view(c.dtype).view(
                     msg.rows, c.hidden_size)
@@ -281,17 +271,17 @@ class FfnServer:
             except Exception as exc:  # report to the caller; the connection stays usable
                 self.stats.errors += 1
                 log.exception("FFN call for layer %d failed", msg.layer)
-                replies.send(FfnResult(seq=msg.seq, rows=0,
-                                       error=f"{type(exc).__name__}: {exc}"), None)
+                replies.send(wire.FfnResult(seq=msg.seq, rows=0,
+                                            error=f"{type(exc).__name__}: {exc}"), None)
                 continue
             us = int(took * 1e6)
             if shm is not None and msg.shm_out >= 0 and msg.nbytes == 0:
                 # memcpy, not a torch copy (which may fan out over OpenMP threads)
                 assert mm is not None
                 memoryview(mm)[msg.shm_out:msg.shm_out + msg.rows * row_bytes] = \
-                    tensor_bytes(y.to(c.dtype))
-                replies.send(FfnResult(seq=msg.seq, rows=msg.rows, compute_us=us), None)
+                    wire.tensor_bytes(y.to(c.dtype))
+                replies.send(wire.FfnResult(seq=msg.seq, rows=msg.rows, compute_us=us), None)
             else:
-                payload = tensor_bytes(y.to(c.dtype))
-                replies.send(FfnResult(seq=msg.seq, rows=msg.rows, nbytes=len(payload),
-                                       compute_us=us), payload)
+                payload = wire.tensor_bytes(y.to(c.dtype))
+                replies.send(wire.FfnResult(seq=msg.seq, rows=msg.rows, nbytes=len(payload),
+                                            compute_us=us), payload)
