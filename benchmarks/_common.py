@@ -260,10 +260,10 @@ def process_tree_cpu(pid: int) -> dict[str, float]:
 
 
 def _proc_label(p: Any) -> str:
-    cmd = p.cmdline()
+    cmd = [str(a) for a in p.cmdline()]
     if "--component" in cmd:
         return cmd[cmd.index("--component") + 1]
-    name = p.name()
+    name = str(p.name())
     return name if name not in ("python", "python3", "python3.11") else os.path.basename(
         next((a for a in cmd[1:] if not a.startswith("-")), name))
 

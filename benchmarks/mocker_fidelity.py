@@ -79,6 +79,9 @@ def _args() -> argparse.Namespace:
                    help="longest wait for --calm-load per block, seconds")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--name", default="mocker_fidelity")
+    p.add_argument("--profile", default="cpu-tiny",
+                   help="the MockerWorker's profile: a shipped name or a JSON path "
+                        "(e.g. one from tools.profile_vllm_cpu --as-served graph)")
     return p.parse_args()
 
 
@@ -100,7 +103,7 @@ def bodies(args: argparse.Namespace, level: int, seed: int) -> list[dict[str, An
 def _pool(samples: list[dict[str, Any]], key: str, stat: str, how: str = "median") -> float:
     """One statistic (``ttft_ms``/``tpot_ms`` x mean/p50) over rounds: their median, or
     their minimum (``how="best"``: noise from other jobs only ever adds time)."""
-    values = [s[key][stat] for s in samples]
+    values = [float(s[key][stat]) for s in samples]
     return min(values) if how == "best" else statistics.median(values)
 
 
@@ -151,9 +154,10 @@ def compare(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def markdown(result: dict[str, Any]) -> str:
     a = result["args"]
     lines = [
-        "# Mocker (cpu-tiny) against vLLM on the same load",
+        f"# Mocker ({a.get('profile', 'cpu-tiny')}) against vLLM on the same load",
         "",
-        f"`python benchmarks/mocker_fidelity.py --rounds {a['rounds']} --levels {a['levels']}` "
+        f"`python benchmarks/mocker_fidelity.py --rounds {a['rounds']} --levels {a['levels']}"
+        f"{'' if a.get('profile', 'cpu-tiny') == 'cpu-tiny' else ' --profile ' + a['profile']}` "
         "(graphs.agg on vLLM vs graphs.mocker_agg, both served with `dynamo serve`, both up, "
         f"driven one at a time, order alternating). Prompts of {a['prompts']} random tokens "
         f"in turn, {a['output']} output tokens (ignore_eos), {a['per_level']} x concurrency "
@@ -198,8 +202,9 @@ def main() -> int:
     args = _args()
     model_dir = ensure_model(REPO / "models" / "tiny-llama")
     with contextlib.ExitStack() as stack:
+        overrides = {"vllm": [], "mocker": [f"--MockerWorker.profile={args.profile}"]}
         graphs = {name: stack.enter_context(serve_graph(
-            target, config, [f"--Common.model={model_dir}"], env=_env()))
+            target, config, [f"--Common.model={model_dir}", *overrides[name]], env=_env()))
             for name, (target, config) in GRAPHS.items()}
         runs = asyncio.run(drive(graphs, args))
     loads = [r["loadavg_before"] for r in runs]

@@ -4,6 +4,11 @@ Run from the repository root (about 1-2 minutes on 2 cores with ``--boost``)::
 
     python -m tools.profile_vllm_cpu --boost --quiet-wait 0   # the shipped cpu-tiny.json
     python -m tools.profile_vllm_cpu --quick --out /tmp/p.json
+    python -m tools.profile_vllm_cpu --as-served graph --out /tmp/cpu-tiny-served.json
+
+``--as-served`` times what a client of the served engine sees instead of one engine
+step (``tools/profile_served.py`` says how and why); the rest of this docstring is
+about the default, in-process measurement.
 
 What is timed is one ``LLMEngine.step()`` of vLLM v1 with the engine core in this
 process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): scheduling, the forward pass, sampling
@@ -46,6 +51,7 @@ a core, a step's thread waits at the other's barrier: such steps took 50-100x lo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -56,7 +62,7 @@ import statistics
 import sys
 import time
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +87,7 @@ QUICK_PREFILL_NEW = [1, 128, 1024]
 QUICK_PREFILL_CACHED = [0, 1024]
 QUICK_DECODE_BATCH = [1, 8, 64]
 QUICK_DECODE_CONTEXT = [512, 4096]
+MAX_MODEL_LEN = 8192  # one request of the largest decode context
 
 
 def _set_env() -> None:
@@ -243,7 +250,7 @@ class Summary:
         return statistics.median(self.ratios) if self.ratios else 1.0
 
 
-def measure(prober: Prober, summary: Summary, quiet: QuietGate, *, quick: bool,
+def measure(prober: Any, summary: Summary, quiet: QuietGate, *, quick: bool,
             repeats: int, decode_steps: int, seed: int = 0) -> dict[str, Any]:
     """Every repeat of every point, in a shuffled order (so a slow spell of the machine
     spreads over the grid instead of spoiling one corner of it), then summarised."""
@@ -301,32 +308,74 @@ def format_json(data: dict[str, Any]) -> str:
 
 
 def _cpu_name() -> str:
+    """The CPU's model name and its widest vector extension: vLLM's CPU kernels are
+    ~20x faster with AVX-512 than with AVX2 on the tiny model (prefill of 1024 tokens:
+    ~0.04 s against ~0.85 s on two "AMD EPYC" machines of this workplace), so a CPU
+    profile holds only on the kind of machine it was measured on."""
+    name, flags = platform.processor() or "unknown CPU", set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+                name = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
     except OSError:
         pass
-    return platform.processor() or "unknown CPU"
+    isa = next((f for f in ("amx_bf16", "avx512f", "avx2") if f in flags), None)
+    return f"{name} ({isa})" if isa else name
 
 
-def _model_shape(engine: Any, model: str) -> tuple[dict[str, Any], int]:
-    mc = engine.vllm_config.model_config
-    hf = mc.hf_config
-    num_heads = int(hf.num_attention_heads)
-    head_dim = int(getattr(hf, "head_dim", None) or hf.hidden_size // num_heads)
-    kv_heads = int(getattr(hf, "num_key_value_heads", num_heads))
-    cache_dtype = engine.vllm_config.cache_config.cache_dtype
-    dtype = mc.dtype if cache_dtype == "auto" else cache_dtype
-    itemsize = dtype.itemsize if hasattr(dtype, "itemsize") else 2
-    kv_bytes = 2 * int(hf.num_hidden_layers) * kv_heads * head_dim * itemsize
+def _model_shape(model: str) -> tuple[dict[str, Any], int]:
+    """The model's shape (from its ``config.json``) and its KV bytes per token."""
+    hf = json.loads((Path(model) / "config.json").read_text())
+    num_heads = int(hf["num_attention_heads"])
+    head_dim = int(hf.get("head_dim") or hf["hidden_size"] // num_heads)
+    kv_heads = int(hf.get("num_key_value_heads") or num_heads)
+    dtype = str(hf.get("torch_dtype") or hf.get("dtype") or "bfloat16")
+    itemsize = 4 if dtype == "float32" else 2
+    kv_bytes = 2 * int(hf["num_hidden_layers"]) * kv_heads * head_dim * itemsize
     shape = {
-        "name": Path(model).name, "hidden_size": int(hf.hidden_size),
-        "num_layers": int(hf.num_hidden_layers), "num_heads": num_heads,
-        "num_kv_heads": kv_heads, "head_dim": head_dim,
-        "dtype": str(mc.dtype).removeprefix("torch."),
+        "name": Path(model).name, "hidden_size": int(hf["hidden_size"]),
+        "num_layers": int(hf["num_hidden_layers"]), "num_heads": num_heads,
+        "num_kv_heads": kv_heads, "head_dim": head_dim, "dtype": dtype,
     }
     return shape, kv_bytes
+
+
+SERVED_ENGINE: dict[str, Any] = {"max_model_len": MAX_MODEL_LEN, "max_num_batched_tokens": 4096,
+                                 "max_num_seqs": 256,
+                                 "kv_cache_space_gib": 1}
+"""The engine settings of the grid (as ``build_engine``'s) for ``--as-served``."""
+
+
+def _served_args(model: str, block_size: int) -> Any:
+    from dynagraph.llm.engines.vllm_engine import VllmEngineArgs
+
+    return VllmEngineArgs(model=model, block_size=block_size, **SERVED_ENGINE)
+
+
+@contextlib.contextmanager
+def _graph_prober(model: str, block_size: int) -> Iterator[Any]:
+    """``graphs.agg`` served on its own etcd and NATS, with a :class:`GraphProber` on it."""
+    from benchmarks._mocker import exit_on_sigterm, serve_graph
+    from benchmarks.mocker_fidelity import ENGINE_ENV
+    from tools.profile_served import GraphProber
+
+    overrides = [f"--Common.model={model}", f"--VllmWorker.block-size={block_size}",
+                 *(f"--{'Common' if k == 'max_model_len' else 'VllmWorker'}."
+                   f"{k.replace('_', '-')}={v}" for k, v in SERVED_ENGINE.items())]
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("ETCD_ENDPOINTS", "NATS_SERVER", "VLLM_ENABLE_V1_MULTIPROCESSING")}
+    exit_on_sigterm()  # so a stopped run still stops its graph, etcd and NATS
+    with serve_graph("graphs.agg:Frontend", str(REPO / "configs" / "agg.yaml"), overrides,
+                     env={**env, **ENGINE_ENV}) as served:
+        vocab = int(json.loads((Path(model) / "config.json").read_text())["vocab_size"])
+        prober = GraphProber(served.url, "tiny-llama", vocab)
+        try:
+            yield prober
+        finally:
+            prober.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -345,30 +394,50 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quiet-wait", type=float, default=5.0,
                     help="seconds to wait for that before each point (0: never wait)")
     ap.add_argument("--quick", action="store_true", help="a small grid (a smoke test)")
+    ap.add_argument("--as-served", choices=("engine", "graph"),
+                    help="time vLLM as served (tools/profile_served.py): our VllmEngine in "
+                         "this process, or a served graphs.agg over HTTP")
     ns = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
     boosted = boost() if ns.boost else "no"
     began = time.monotonic()
     load_before = os.getloadavg()
-    engine = build_engine(ns.model, ns.block_size, max_model_len=8192)
+    prober: Any
+    with contextlib.ExitStack() as stack:
+        if ns.as_served == "graph":
+            prober = stack.enter_context(_graph_prober(ns.model, ns.block_size))
+            what = ("graphs.agg served with dynamo serve (Frontend, Processor, VllmWorker in "
+                    "processes of their own), streamed /v1/completions as a client reads it")
+        elif ns.as_served == "engine":
+            from tools.profile_served import EngineProber
+
+            prober = stack.enter_context(contextlib.closing(EngineProber(_served_args(ns.model, ns.block_size))))
+            what = ("our VllmEngine as the VllmWorker runs it (AsyncLLM, engine core in its "
+                    "own process, vLLM's CPU binding)")
+        else:
+            engine = build_engine(ns.model, ns.block_size, max_model_len=MAX_MODEL_LEN)
+            prober = Prober(engine, int(engine.vllm_config.model_config.get_vocab_size()))
+            what = "one LLMEngine.step() with the engine core in-process"
+        summary = Summary(ns.stat)
+        quiet = QuietGate(ns.quiet_below, ns.quiet_wait)
+        tables = measure(prober, summary, quiet, quick=ns.quick,
+                         repeats=ns.repeats, decode_steps=ns.decode_steps)
+        if not ns.as_served:
+            blocks = engine.vllm_config.cache_config.num_gpu_blocks
+        load_after = os.getloadavg()
     import vllm
 
-    vocab = int(engine.vllm_config.model_config.get_vocab_size())
-    summary = Summary(ns.stat)
-    quiet = QuietGate(ns.quiet_below, ns.quiet_wait)
-    tables = measure(Prober(engine, vocab), summary, quiet, quick=ns.quick,
-                     repeats=ns.repeats, decode_steps=ns.decode_steps)
-    shape, kv_bytes = _model_shape(engine, ns.model)
-    load_after = os.getloadavg()
-    blocks = engine.vllm_config.cache_config.num_gpu_blocks
+    shape, kv_bytes = _model_shape(ns.model)
+    kv = f"{blocks} KV blocks" if not ns.as_served else "KV cache of 1 GiB"
+
     elapsed = time.monotonic() - began
     profile = {
         "name": ns.name,
         "description": (
-            f"vLLM {vllm.__version__} (CPU) on {Path(ns.model).name}: one LLMEngine.step() "
-            f"with the engine core in-process, enforce_eager, block size {ns.block_size}, "
-            f"{blocks} KV blocks, prefix caching on; {ns.stat} of {ns.repeats} repeats per point (median/min "
+            f"vLLM {vllm.__version__} (CPU) on {Path(ns.model).name}: {what}, "
+            f"enforce_eager, block size {ns.block_size}, "
+            f"{kv}, prefix caching on; {ns.stat} of {ns.repeats} repeats per point (median/min "
             f"ratio of the repeats: {summary.noise():.2f}; priority boost: {boosted}; waited "
             f"{quiet.waited:.0f} s for "
             f"quiet moments, {quiet.missed} points measured without one). 1-min load average "
