@@ -164,7 +164,7 @@ class EngineProber(_AsyncProber):
 
 class GraphProber(_AsyncProber):
     """A served graph's ``/v1/completions``, streamed as a client reads it (the body
-    is the one ``benchmarks/mocker_fidelity.py`` sends, plus the final usage)."""
+    ``benchmarks/mocker_fidelity.py`` sends, plus usage in every chunk)."""
 
     def __init__(self, url: str, model: str, vocab_size: int, seed: int = 0) -> None:
         super().__init__(vocab_size, seed)
@@ -173,8 +173,6 @@ class GraphProber(_AsyncProber):
         self.url = f"{url}/v1/completions"
         self.model = model
         self.session = self.loop.run_until_complete(self._session(aiohttp))
-        self.merged = 0
-        """Outputs that carried more than one token (counted from the final usage)."""
 
     async def _session(self, aiohttp: Any) -> Any:
         # a fresh connection per request: a kept-alive one can be closed by the server
@@ -188,14 +186,18 @@ class GraphProber(_AsyncProber):
 
     async def _run(self, ids: list[int], max_tokens: int,
                    arrivals: Arrivals | None = None) -> tuple[float, int]:
-        from benchmarks._common import SseLineParser, chunk_text
+        from benchmarks._common import SseLineParser
 
+        # continuous usage: every chunk says how many tokens the request has so far, so
+        # outputs merged by a reader that fell behind, or tokens with no text of their
+        # own (special tokens, a partial character), are counted right
         body = {"model": self.model, "prompt": ids, "max_tokens": max_tokens,
                 "temperature": 0, "ignore_eos": True, "stream": True,
-                "stream_options": {"include_usage": True}}
+                "skip_special_tokens": False,  # a special token is text too: an output
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
         parser = SseLineParser()
-        times: list[float] = []
-        usage: dict[str, Any] = {}
+        seen: Arrivals = []
+        cached = 0
         began = time.perf_counter()
         async with self.session.post(self.url, json=body) as resp:
             if resp.status != 200:
@@ -208,17 +210,14 @@ class GraphProber(_AsyncProber):
                     payload = json.loads(data)
                     if "error" in payload:
                         raise RuntimeError(f"stream error: {payload['error']}")
-                    usage = payload.get("usage") or usage
-                    if chunk_text(payload):
-                        times.append(now)
-        tokens = int(usage.get("completion_tokens", 0))
-        if not times or tokens < len(times):  # an output is at least one token
-            raise RuntimeError(f"{len(times)} outputs for {tokens} tokens")
+                    usage = payload.get("usage") or {}
+                    tokens = int(usage.get("completion_tokens") or 0)
+                    if payload.get("choices") and tokens > (seen[-1][1] if seen else 0):
+                        seen.append((now, tokens))
+                    details = usage.get("prompt_tokens_details") or {}
+                    cached = int(details.get("cached_tokens") or cached)
+        if not seen or seen[-1][1] != max_tokens:
+            raise RuntimeError(f"{seen[-1][1] if seen else 0} of {max_tokens} tokens came")
         if arrivals is not None:
-            # one output per token unless some were merged (or had no text yet): then
-            # spread the count evenly
-            self.merged += tokens - len(times)
-            arrivals.extend((t, round((i + 1) * tokens / len(times)))
-                            for i, t in enumerate(times))
-        cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-        return times[0] - began, cached
+            arrivals.extend(seen)
+        return seen[0][0] - began, cached
