@@ -26,7 +26,7 @@ if "${REPO}/.venv/bin/python" -c "import sys; from tools.model_builder import is
 sys.exit(0 if is_complete(__import__('pathlib').Path(sys.argv[1])) else 1)" "${MODEL}"; then
     echo "serve.sh: [2/3] model: ${MODEL#"${REPO}"/} is built"
 else
-    echo "serve.sh: [2/3] model: building ${MODEL#"${REPO}"/} (first run only, about 2 minutes) ..."
+    echo "serve.sh: [2/3] model: building ${MODEL#"${REPO}"/} (first run only, 1-5 minutes) ..."
     "${REPO}/.venv/bin/python" -m tools.model_builder --out "${MODEL}" >/dev/null
     echo "serve.sh: [2/3] model: built in $(took "${t0}")"
 fi
