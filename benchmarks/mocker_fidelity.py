@@ -85,7 +85,8 @@ def _args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def _env() -> dict[str, str]:
+def engine_env() -> dict[str, str]:
+    """This environment for a served vLLM graph on its own etcd and NATS."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("ETCD_ENDPOINTS", "NATS_SERVER", "VLLM_ENABLE_V1_MULTIPROCESSING")}
     return {**env, **ENGINE_ENV}
@@ -204,7 +205,7 @@ def main() -> int:
     with contextlib.ExitStack() as stack:
         overrides = {"vllm": [], "mocker": [f"--MockerWorker.profile={args.profile}"]}
         graphs = {name: stack.enter_context(serve_graph(
-            target, config, [f"--Common.model={model_dir}", *overrides[name]], env=_env()))
+            target, config, [f"--Common.model={model_dir}", *overrides[name]], env=engine_env()))
             for name, (target, config) in GRAPHS.items()}
         runs = asyncio.run(drive(graphs, args))
     loads = [r["loadavg_before"] for r in runs]

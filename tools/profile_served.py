@@ -39,8 +39,7 @@ from typing import Any
 
 from dynagraph.llm.engines.base import SamplingSpec
 from dynagraph.llm.engines.vllm_engine import VllmEngine, VllmEngineArgs
-
-FIRST_TOKEN_ID = 5  # tiny-llama's special tokens are 0..4
+from tools.profile_vllm_cpu import FIRST_TOKEN_ID
 
 Arrivals = list[tuple[float, int]]
 """(time, tokens so far) for every output of one request."""

@@ -329,9 +329,13 @@ def _cpu_name() -> str:
     return f"{name} ({isa})" if isa else name
 
 
+def _hf_config(model: str) -> dict[str, Any]:
+    return dict(json.loads((Path(model) / "config.json").read_text()))
+
+
 def _model_shape(model: str) -> tuple[dict[str, Any], int]:
     """The model's shape (from its ``config.json``) and its KV bytes per token."""
-    hf = json.loads((Path(model) / "config.json").read_text())
+    hf = _hf_config(model)
     num_heads = int(hf["num_attention_heads"])
     head_dim = int(hf.get("head_dim") or hf["hidden_size"] // num_heads)
     kv_heads = int(hf.get("num_key_value_heads") or num_heads)
@@ -362,18 +366,16 @@ def _served_args(model: str, block_size: int) -> Any:
 def _graph_prober(model: str, block_size: int) -> Iterator[Any]:
     """``graphs.agg`` served on its own etcd and NATS, with a :class:`GraphProber` on it."""
     from benchmarks._mocker import exit_on_sigterm, serve_graph
-    from benchmarks.mocker_fidelity import ENGINE_ENV
+    from benchmarks.mocker_fidelity import engine_env
     from tools.profile_served import GraphProber
 
     overrides = [f"--Common.model={model}", f"--VllmWorker.block-size={block_size}",
                  *(f"--{'Common' if k == 'max_model_len' else 'VllmWorker'}."
                    f"{k.replace('_', '-')}={v}" for k, v in SERVED_ENGINE.items())]
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("ETCD_ENDPOINTS", "NATS_SERVER", "VLLM_ENABLE_V1_MULTIPROCESSING")}
     exit_on_sigterm()  # so a stopped run still stops its graph, etcd and NATS
     with serve_graph("graphs.agg:Frontend", str(REPO / "configs" / "agg.yaml"), overrides,
-                     env={**env, **ENGINE_ENV}) as served:
-        vocab = int(json.loads((Path(model) / "config.json").read_text())["vocab_size"])
+                     env=engine_env()) as served:
+        vocab = int(_hf_config(model)["vocab_size"])
         prober = GraphProber(served.url, "tiny-llama", vocab)
         try:
             yield prober
