@@ -16,10 +16,12 @@ import re
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
+from tests.support.greedy import TOP_LOGPROBS, Greedy, assert_agrees
 from tests.support.infra import own_infra
 from tests.support.serve import ServeProcess, graph_env
 from tools.entry_points import shim_path
@@ -53,12 +55,23 @@ def env(infra: tuple[str, str], tmp_path_factory: pytest.TempPathFactory) -> dic
     return e
 
 
-def complete(url: str, prompt: str, model: str, max_tokens: int = MAX_TOKENS) -> str:
+def _choice(url: str, prompt: str, model: str, max_tokens: int, **extra: object
+            ) -> dict[str, Any]:
     r = httpx.post(f"{url}/v1/completions", timeout=300, json={
         "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-        "ignore_eos": True})
+        "ignore_eos": True, **extra})
     assert r.status_code == 200, r.text
-    return str(r.json()["choices"][0]["text"])
+    choice: dict[str, Any] = r.json()["choices"][0]
+    return choice
+
+
+def complete(url: str, prompt: str, model: str, max_tokens: int = MAX_TOKENS) -> str:
+    return str(_choice(url, prompt, model, max_tokens)["text"])
+
+
+def reference_of(url: str, prompt: str, model: str, max_tokens: int = MAX_TOKENS) -> Greedy:
+    """A greedy reference: the text with each token's lead over the runner-up."""
+    return Greedy.of(_choice(url, prompt, model, max_tokens, logprobs=TOP_LOGPROBS))
 
 
 def complete_all(url: str, model: str, *, concurrent: bool) -> dict[str, str]:
@@ -67,6 +80,16 @@ def complete_all(url: str, model: str, *, concurrent: bool) -> dict[str, str]:
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         texts = list(pool.map(lambda p: complete(url, p, model), PROMPTS))
     return dict(zip(PROMPTS, texts, strict=True))
+
+
+def references_all(url: str, model: str) -> dict[str, Greedy]:
+    return {p: reference_of(url, p, model) for p in PROMPTS}
+
+
+def assert_all_agree(reference: dict[str, Greedy], got: dict[str, str]) -> None:
+    """Every prompt's text is the reference's, up to a near tie (tests.support.greedy)."""
+    for prompt, text in got.items():
+        assert_agrees(reference[prompt], text, repr(prompt))
 
 
 def stream_completion(url: str, prompt: str, model: str, max_tokens: int,

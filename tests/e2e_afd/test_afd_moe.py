@@ -8,8 +8,9 @@ greedy text is the same, one request at a time and eight at once.
 Expert parallel adds each token's partial sums from the two workers: a token whose two
 chosen experts live on one worker gets exactly the monolithic value, a token whose
 experts are split gets one more bfloat16 rounding than vLLM's fused kernel (see
-``dynagraph.llm.afd.ffn``). That can in principle flip a near tie; these prompts show it
-does not change the text here.
+``dynagraph.llm.afd.ffn``). That can flip a near tie, so the texts are compared up to
+one (``tests.support.greedy``): they may part only where the monolithic model's two best
+tokens were within rounding of each other.
 
 Then the worker holding experts 2-3 is killed with no replica and a one-second failover
 timeout: the next request fails with an error naming the layer that cannot be computed,
@@ -28,11 +29,19 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.support.greedy import Greedy, assert_agrees
 from tests.support.poll import wait_until
 from tests.support.serve import ServeProcess, served
 from tools.moe_builder import ensure_moe_model
 
-from .conftest import PROMPTS, complete_all, model_arg, processes
+from .conftest import (
+    PROMPTS,
+    assert_all_agree,
+    complete_all,
+    model_arg,
+    processes,
+    references_all,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
 
@@ -45,17 +54,17 @@ def moe_dir(model_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference(moe_dir: Path, env: dict[str, str]) -> dict[str, str]:
+def reference(moe_dir: Path, env: dict[str, str]) -> dict[str, Greedy]:
     with served(["graphs.agg:Frontend", "-f", "configs/agg.yaml", "--Frontend.port=0",
                  model_arg(moe_dir), f"--Common.served-model-name={MODEL}"], env,
                 ready_timeout=300) as sp:
-        alone = complete_all(sp.url(), MODEL, concurrent=False)
-        assert complete_all(sp.url(), MODEL, concurrent=True) == alone
+        alone = references_all(sp.url(), MODEL)
+        assert_all_agree(alone, complete_all(sp.url(), MODEL, concurrent=True))
         return alone
 
 
 @pytest.fixture(scope="module")
-def afd(moe_dir: Path, env: dict[str, str], reference: dict[str, str]
+def afd(moe_dir: Path, env: dict[str, str], reference: dict[str, Greedy]
         ) -> Iterator[ServeProcess]:
     with served(["graphs.agg_afd:Frontend", "-f", "configs/agg_afd.yaml", "--Frontend.port=0",
                  model_arg(moe_dir), f"--Common.served-model-name={MODEL}",
@@ -65,9 +74,9 @@ def afd(moe_dir: Path, env: dict[str, str], reference: dict[str, str]
 
 
 def test_expert_parallel_greedy_text_equals_the_monolithic_model(
-        afd: ServeProcess, reference: dict[str, str]) -> None:
-    assert complete_all(afd.url(), MODEL, concurrent=False) == reference
-    assert complete_all(afd.url(), MODEL, concurrent=True) == reference
+        afd: ServeProcess, reference: dict[str, Greedy]) -> None:
+    assert_all_agree(reference, complete_all(afd.url(), MODEL, concurrent=False))
+    assert_all_agree(reference, complete_all(afd.url(), MODEL, concurrent=True))
 
 
 def test_losing_an_expert_group_fails_requests_clearly(afd: ServeProcess) -> None:
@@ -83,7 +92,7 @@ def test_losing_an_expert_group_fails_requests_clearly(afd: ServeProcess) -> Non
 
 
 def test_the_graph_recovers_when_the_expert_group_is_back(
-        afd: ServeProcess, reference: dict[str, str]) -> None:
+        afd: ServeProcess, reference: dict[str, Greedy]) -> None:
     def answers() -> str | None:
         r = httpx.post(f"{afd.url()}/v1/completions", timeout=60, json={
             "model": MODEL, "prompt": PROMPTS[0], "max_tokens": 32, "temperature": 0,
@@ -91,4 +100,5 @@ def test_the_graph_recovers_when_the_expert_group_is_back(
         return str(r.json()["choices"][0]["text"]) if r.status_code == 200 else None
 
     text = wait_until(answers, 240, "the VllmWorker's restarted engine", interval=2.0)
-    assert text == reference[PROMPTS[0]]
+    assert text is not None
+    assert_agrees(reference[PROMPTS[0]], text)

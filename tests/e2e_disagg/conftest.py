@@ -21,6 +21,7 @@ import httpx
 import pytest
 
 from dynagraph.runtime.infra import LocalService
+from tests.support.greedy import TOP_LOGPROBS, Greedy
 from tests.support.infra import own_infra
 from tests.support.metrics import scrape
 from tests.support.serve import ServeProcess, graph_env, served
@@ -55,10 +56,11 @@ KILL_PROMPT = Prompt(" ".join(f"zu{i % 41}x" for i in range(700)), 700)
 """Long and unlike the others: the kill test's request is remote (nothing cached)."""
 
 
-def complete(base_url: str, prompt: str, timeout: float = 120.0) -> dict[str, object]:
+def complete(base_url: str, prompt: str, timeout: float = 120.0, **extra: object
+             ) -> dict[str, object]:
     r = httpx.post(f"{base_url}/v1/completions", timeout=timeout, json={
         "model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-        "ignore_eos": True,
+        "ignore_eos": True, **extra,
     })
     r.raise_for_status()
     body: dict[str, object] = r.json()
@@ -78,15 +80,22 @@ def infra() -> Iterator[tuple[LocalService, LocalService]]:
 
 
 @pytest.fixture(scope="package")
-def agg_reference(model_dir: Path, infra: tuple[LocalService, LocalService]) -> dict[str, str]:
-    """Greedy output of the agg graph for every prompt (the graph is stopped afterwards)."""
+def agg_reference(model_dir: Path, infra: tuple[LocalService, LocalService]
+                  ) -> dict[str, Greedy]:
+    """Greedy output of the agg graph for every prompt (the graph is stopped afterwards),
+    with each token's lead over the runner-up (``tests.support.greedy``)."""
     etcd, nats = infra
     with served(["graphs.agg:Frontend", "-f", "configs/agg.yaml", "--Frontend.port=0",
                  f"--Common.model={model_dir}", '--VllmWorker.cpu-threads-bind="0"',
                  "--VllmWorker.cpu-reserved-cores=0"],
                 graph_env(etcd.url, nats.url), ready_timeout=300) as sp:
         url = sp.url()
-        return {p.text: text_of(complete(url, p.text)) for p in [*PROMPTS, KILL_PROMPT]}
+        out: dict[str, Greedy] = {}
+        for p in [*PROMPTS, KILL_PROMPT]:
+            choices = complete(url, p.text, logprobs=TOP_LOGPROBS)["choices"]
+            assert isinstance(choices, list)
+            out[p.text] = Greedy.of(choices[0])
+        return out
 
 
 @dataclass
@@ -118,7 +127,7 @@ class DisaggGraph:
 
 @pytest.fixture(scope="package")
 def disagg_graph(model_dir: Path, infra: tuple[LocalService, LocalService],
-                 agg_reference: dict[str, str]) -> Iterator[DisaggGraph]:
+                 agg_reference: dict[str, Greedy]) -> Iterator[DisaggGraph]:
     etcd, nats = infra
     env = {**graph_env(etcd.url, nats.url), "DYNAGRAPH_FAULT_INJECTION": "1"}
     with served(["graphs.disagg:Frontend", "-f", "configs/disagg.yaml", "--Frontend.port=0",

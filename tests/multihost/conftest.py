@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.support.greedy import TOP_LOGPROBS, Greedy
 from tests.support.infra import own_infra
 from tests.support.multihost import ThreeHostGraph, three_host_graph
 from tests.support.netns import unavailable_reason
@@ -43,10 +44,10 @@ def _needs_netns() -> None:
     pytest.fail(f"multi-host test: running as root, yet {reason}", pytrace=False)
 
 
-def complete(url: str, prompt: str, max_tokens: int) -> dict[str, object]:
+def complete(url: str, prompt: str, max_tokens: int, **extra: object) -> dict[str, object]:
     r = httpx.post(f"{url}/v1/completions", timeout=180, json={
         "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-        "ignore_eos": True})
+        "ignore_eos": True, **extra})
     assert r.status_code == 200, r.text
     body: dict[str, object] = r.json()
     return body
@@ -59,8 +60,9 @@ def text_of(body: dict[str, object]) -> str:
 
 
 @pytest.fixture(scope="package")
-def agg_reference(model_dir: Path) -> dict[str, str]:
-    """Greedy output of the agg graph for every prompt (stopped afterwards)."""
+def agg_reference(model_dir: Path) -> dict[str, Greedy]:
+    """Greedy output of the agg graph for every prompt (stopped afterwards), with each
+    token's lead over the runner-up: other paths may part from it at a near tie."""
     # its temp files (vLLM's IPC sockets, vllm_dist_*) in a directory removed afterwards
     with tempfile.TemporaryDirectory(prefix="dynagraph-mh-tmp-") as tmp_dir, \
             own_infra() as (etcd, nats), served(
@@ -70,12 +72,17 @@ def agg_reference(model_dir: Path) -> dict[str, str]:
             {**graph_env(etcd.url, nats.url), "TMPDIR": tmp_dir},
             ready_timeout=300) as sp:
         url = sp.url()
-        out = {p: text_of(complete(url, p, SHORT_TOKENS)) for p in PROMPTS}
-        out.update({p: text_of(complete(url, p, STREAM_TOKENS)) for p in STREAM_PROMPTS})
-        return out
+        return {p: _reference(url, p, SHORT_TOKENS) for p in PROMPTS} | {
+            p: _reference(url, p, STREAM_TOKENS) for p in STREAM_PROMPTS}
+
+
+def _reference(url: str, prompt: str, max_tokens: int) -> Greedy:
+    choices = complete(url, prompt, max_tokens, logprobs=TOP_LOGPROBS)["choices"]
+    assert isinstance(choices, list)
+    return Greedy.of(choices[0])
 
 
 @pytest.fixture(scope="package")
-def three_hosts(model_dir: Path, agg_reference: dict[str, str]) -> Iterator[ThreeHostGraph]:
+def three_hosts(model_dir: Path, agg_reference: dict[str, Greedy]) -> Iterator[ThreeHostGraph]:
     with three_host_graph(model_dir) as g:
         yield g

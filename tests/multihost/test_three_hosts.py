@@ -30,6 +30,7 @@ from tests.multihost.conftest import (
     complete,
     text_of,
 )
+from tests.support.greedy import Greedy, assert_agrees
 from tests.support.metrics import scrape, total
 from tests.support.multihost import ThreeHostGraph
 
@@ -86,12 +87,12 @@ def test_every_address_in_etcd_is_its_hosts_own(three_hosts: ThreeHostGraph) -> 
 
 
 def test_greedy_output_equals_agg_and_the_kv_crosses_the_link(
-        three_hosts: ThreeHostGraph, agg_reference: dict[str, str]) -> None:
+        three_hosts: ThreeHostGraph, agg_reference: dict[str, Greedy]) -> None:
     g = three_hosts
     for prompt in PROMPTS:
         before, sent0 = decode_metrics(g), g.link_bytes(g.prefill)[0]
         body = complete(g.url, prompt, SHORT_TOKENS)
-        assert text_of(body) == agg_reference[prompt], prompt[:40]
+        assert_agrees(agg_reference[prompt], text_of(body), prompt[:40])
         deadline = time.monotonic() + 10
         while True:  # the engine reports a transfer's stats a step after its outputs
             moved = {k: v - before[k] for k, v in decode_metrics(g).items()}
@@ -156,7 +157,7 @@ def _held(record: dict[str, Any]) -> float:
 
 
 async def test_a_killed_decode_worker_loses_no_request_and_comes_back(
-        three_hosts: ThreeHostGraph, agg_reference: dict[str, str]) -> None:
+        three_hosts: ThreeHostGraph, agg_reference: dict[str, Greedy]) -> None:
     g = three_hosts
     processor = instances(g, "Processor")[0]["metrics"]
     migrations = total(scrape(processor), "dynamo_processor_migrations_total")
@@ -180,7 +181,8 @@ async def test_a_killed_decode_worker_loses_no_request_and_comes_back(
     for prompt, got in zip(STREAM_PROMPTS, results, strict=True):
         assert got["error"] is None, (got, g.output()[-6000:])
         assert got["finish"] == ["length"] and got["usage"] == STREAM_TOKENS, got
-        assert got["text"] == agg_reference[prompt], prompt[:20]
+        # the streams the victim held were recomputed elsewhere: equal up to a near tie
+        assert_agrees(agg_reference[prompt], got["text"], prompt[:20])
     # the streams it held went on on the other decode worker
     moved = total(scrape(processor), "dynamo_processor_migrations_total") - migrations
     assert moved >= 1, (f"victim pid {victim['pid']} held {held}; characters per stream "
@@ -196,4 +198,4 @@ async def test_a_killed_decode_worker_loses_no_request_and_comes_back(
         assert time.monotonic() < deadline, g.output()[-4000:]
         await asyncio.sleep(1)
     body = await asyncio.to_thread(complete, g.url, PROMPTS[3], SHORT_TOKENS)
-    assert text_of(body) == agg_reference[PROMPTS[3]]
+    assert_agrees(agg_reference[PROMPTS[3]], text_of(body))
