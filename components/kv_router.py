@@ -27,8 +27,10 @@ size, hash algorithm and seed that the workers publish in their discovery metada
 
 SLO classes (``RouteRequest.slo_class``): ``class-overlap-weights`` scales the overlap
 weight per class (``interactive`` weighs queueing more than a cache hit, ``batch`` less);
-each decision carries the candidates' pressure (``dynagraph.llm.router.pressure``) for the
-Processor's SLO-aware admission.
+each decision carries the candidates' pressure (``dynagraph.llm.router.pressure``); a
+request that comes with an admission ``Gate`` (the Processor's SLO-aware admission) is
+judged against it and counted only if admitted, in the same step, so the check and the
+count cannot be raced (``dynagraph.llm.tenants.slo_admission``).
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ from dynagraph.llm.router.pressure import (
     class_overlap_weight,
 )
 from dynagraph.llm.tenants import Signer, cache_salt_of
+from dynagraph.llm.tenants.slo_admission import Action
 from dynagraph.observability.router_metrics import RouterMetrics
 from dynagraph.runtime.live_settings import LiveSpec
 from dynagraph.sdk import (
@@ -261,6 +264,10 @@ class Router(Component):
                                             request.slo_class)
         pressure = self.pressure.summary(self.state, request.workers,  # before begin()
                                          predicted_ttft_s=decision.ttft_s)
+        # judged and counted in this one synchronous step: no other request sees the
+        # pressure between this verdict and this request's begin()
+        verdict = request.admission.decide(pressure) if request.admission is not None else None
+        track = request.track and (verdict is None or verdict.action is Action.ADMIT)
         w = decision.worker_id
         self.metrics.decision(mode=mode.value, worker=_label(w), request_blocks=len(hashes),
                               overlap_blocks=decision.overlap_blocks,
@@ -275,7 +282,7 @@ class Router(Component):
                       {f"{k:x}": f"{x.prefill.value:.2e}"
                        for k, x in self.state.learners.items()})
         key = next(self._keys)
-        if request.track:
+        if track:
             block_size = self.hasher.block_size if self.hasher is not None else 1
             uncached = max(len(request.token_ids) - decision.overlap_blocks * block_size, 1)
             self.state.begin(w, hashes, key=key, uncached_tokens=uncached, now=now)
@@ -283,10 +290,10 @@ class Router(Component):
         try:
             yield msgspec.to_builtins(RouteDecision(
                 worker_id=w, overlap_blocks=decision.overlap_blocks,
-                request_blocks=len(hashes), mode=mode, pressure=pressure))
-            if request.track:
+                request_blocks=len(hashes), mode=mode, pressure=pressure, verdict=verdict))
+            if track:
                 await asyncio.sleep(self.config.track_timeout)
         finally:
-            if request.track:
+            if track:
                 self.state.end(w, hashes, key)
                 self.pressure.end(w)

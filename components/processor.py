@@ -25,11 +25,12 @@ Picking a worker (``router-mode``):
   tried (logged; the client sees no error).
 
 SLO-aware admission (``slo-admission``, ``dynagraph.llm.tenants.slo_admission``; needs the
-Router): with each decision the Router reports the candidates' pressure; a request of a
-deferrable class (``batch``) waits while the workers are under pressure (asking the
-Router again, untracked, every ``delay-step`` s: a waiting request is no load) and is refused with 429
-and ``Retry-After`` when they are far over or it has waited ``max-delay`` s. Other classes
-are always sent on. Only a request's first dispatch is judged, never a migration.
+Router): a request of a deferrable class (``batch``) asks the Router with an admission
+gate; the Router judges the candidates' pressure and counts the request only if it admits
+it, in one step. A delayed request is not counted (a waiting request is no load) and asks
+again every ``delay-step`` s; it is refused with 429 and ``Retry-After`` when the workers
+are far over or it has waited ``max-delay`` s. Other classes are always sent on. Only a
+request's first dispatch is judged, never a migration.
 
 Migration (``dynagraph.llm.migration``): a worker stream that breaks after output has
 started continues on another worker of the model (prompt + tokens already sent), up to
@@ -247,48 +248,52 @@ class Processor(Component):
                       attempt: Attempt, *, admission: bool = False
                       ) -> AsyncGenerator[dict[str, Any], None]:
         """The worker's stream for ``pre``, on the worker the Router picks; with
-        ``admission``, after SLO-aware admission lets it through (``RequestShed`` if not)."""
+        ``admission``, once SLO-aware admission lets it through (``RequestShed`` if not)."""
         allowed = attempt.allowed(candidates)
         slo_class = pre.tenant.slo_class if pre.tenant is not None else "default"
         ask = RouteRequest(pre.token_ids, track=True, mode=RouterMode(self.config.router_mode),
                            tenant=pre.tenant, workers=allowed,
                            slo_class=slo_class if pre.tenant is not None else None)
-        if admission and self.slo.deferrable(slo_class):
-            await self._admitted(pre.request_id, slo_class,
-                                 msgspec.structs.replace(ask, track=False))
-        route = self.router.generate(msgspec.to_builtins(ask))
-        async with contextlib.aclosing(route):
-            decision = await self._decision(route)
-            async for item in self._on_worker(pre, decision, allowed, candidates, attempt):
-                yield item
-
-    async def _admitted(self, request_id: str, slo_class: str, probe: RouteRequest) -> None:
-        """Return once SLO-aware admission lets the request through; ``RequestShed`` if it
-        does not. Each check asks the Router untracked (``probe``), so a waiting request
-        never counts as load; the admitted request is then routed (and tracked) as usual."""
+        gated = admission and self.slo.deferrable(slo_class)
         waited = 0.0
         while True:
-            route = self.router.generate(msgspec.to_builtins(probe))
+            if gated:
+                ask = msgspec.structs.replace(ask, admission=self.slo.gate(slo_class, waited))
+            route = self.router.generate(msgspec.to_builtins(ask))
             async with contextlib.aclosing(route):
                 decision = await self._decision(route)
-            if decision is None:
-                return  # no Router answer: routed round robin, nothing to judge by
-            verdict = self.slo.decide(decision.pressure, slo_class, waited)
-            log.debug("request %s (%s): pressure %s -> %s", request_id, slo_class,
-                      decision.pressure, verdict)
-            if verdict.action is Action.ADMIT:
-                if waited > 0:
-                    self.metrics.slo_delayed(slo_class, waited)
-                return
-            if verdict.action is Action.SHED:
-                self.metrics.slo_shed(slo_class)
-                log.info("request %s shed: %s", request_id, verdict.reason)
-                raise RequestShed(verdict.reason, retry_after=verdict.retry_after,
-                                  code="slo_shed")
-            if waited == 0:
-                log.info("request %s delayed: %s", request_id, verdict.reason)
-            await asyncio.sleep(verdict.delay_s)
-            waited += verdict.delay_s
+                wait = self._admission_wait(pre.request_id, slo_class, decision,
+                                            waited) if gated else 0.0
+                if not wait:
+                    async for item in self._on_worker(pre, decision, allowed, candidates,
+                                                      attempt):
+                        yield item
+                    return
+            await asyncio.sleep(wait)  # not counted by the Router meanwhile
+            waited += wait
+
+    def _admission_wait(self, request_id: str, slo_class: str,
+                        decision: RouteDecision | None, waited: float) -> float:
+        """0 to go on now, else the seconds to wait before asking again; ``RequestShed`` if
+        the request is shed. The Router's verdict counts (judged where the request is
+        counted); a Router that sent none is judged here from its pressure snapshot."""
+        if decision is None:
+            return 0.0  # no Router answer: routed round robin, nothing to judge by
+        verdict = decision.verdict or self.slo.decide(decision.pressure, slo_class, waited)
+        log.debug("request %s (%s): pressure %s -> %s", request_id, slo_class,
+                  decision.pressure, verdict)
+        if verdict.action is Action.ADMIT:
+            if waited > 0:
+                self.metrics.slo_delayed(slo_class, waited)
+            return 0.0
+        if verdict.action is Action.SHED:
+            self.metrics.slo_shed(slo_class)
+            log.info("request %s shed: %s", request_id, verdict.reason)
+            raise RequestShed(verdict.reason, retry_after=verdict.retry_after,
+                              code="slo_shed")
+        if waited == 0:
+            log.info("request %s delayed: %s", request_id, verdict.reason)
+        return verdict.delay_s
 
     async def _decision(self, route: AsyncIterator[dict[str, Any]]) -> RouteDecision | None:
         try:

@@ -23,7 +23,7 @@ from dynagraph.llm.router.index import PrefixIndex
 from dynagraph.llm.router.pending import WorkerQueue
 from dynagraph.llm.router.rates import RateLearner, RatePriors, WorkerRates, fleet_rates
 from dynagraph.llm.tenants.identity import TenantToken
-from dynagraph.llm.tenants.slo_admission import Pressure
+from dynagraph.llm.tenants.slo_admission import Gate, Pressure, Verdict
 from dynagraph.runtime.round_robin import RoundRobin
 
 
@@ -44,6 +44,9 @@ class RouteRequest(msgspec.Struct, omit_defaults=True):
     """The caller (signed): its prefix is looked up under its cache salt."""
     slo_class: str | None = None
     """The request's SLO class: scales the cost's overlap weight (``class-overlap-weights``)."""
+    admission: Gate | None = None
+    """A deferrable request's SLO-aware admission: the Router judges the candidates'
+    pressure and counts the request (``track``) only if the verdict is admit."""
 
 
 class RouteDecision(msgspec.Struct, omit_defaults=True):
@@ -55,6 +58,9 @@ class RouteDecision(msgspec.Struct, omit_defaults=True):
     mode: RouterMode
     pressure: Pressure | None = None
     """The candidates' load before this request (for SLO-aware admission)."""
+    verdict: Verdict | None = None
+    """The admission verdict, where the request came with a ``Gate``; when it is not
+    admit the request is not counted and the stream ends after this decision."""
 
 
 class RouterState:

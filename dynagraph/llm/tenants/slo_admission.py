@@ -1,11 +1,17 @@
 """SLO-aware admission: admit, delay or shed one request, from a snapshot of the workers'
 pressure and the request's SLO class. Pure: no clock, no I/O.
 
-The Router reports, with each decision, the pressure of the candidate workers
-(:class:`Pressure`: per worker its running and waiting requests, the requests the Router
-itself has in flight there, KV usage, and a predicted time to first token where the
-Router has one). The Processor asks :meth:`SloAdmission.decide` before it sends a request
-on. Classes in ``defer-classes`` (``batch`` by default) are *deferrable*: they are
+The Router judges, the Processor waits. A deferrable request's route request carries a
+:class:`Gate` (the thresholds, the protected target, how long the request has waited);
+the Router summarises the candidate workers' :class:`Pressure` (per worker its running
+and waiting requests, the requests the Router itself has in flight there, KV usage, and a
+predicted time to first token where it has one), asks ``Gate.decide`` and, only when the
+verdict is ``admit``, starts counting the request on the chosen worker, all in one
+synchronous step. So no two waiting requests can both see the last free place: checking
+in one round trip and counting in another let several through at once when load dropped
+(the least loaded worker at 10 requests with ``delay-at-requests: 4``). A delayed request
+waits and asks again; ``SloAdmission.decide`` is the same judgement for a caller that has
+only a pressure snapshot. Classes in ``defer-classes`` (``batch`` by default) are *deferrable*: they are
 delayed while the system is under pressure and shed when it is far over; every other
 class is always admitted (vLLM's priority scheduling serves it first).
 
@@ -28,7 +34,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
 from enum import StrEnum
 
 import msgspec
@@ -68,8 +73,9 @@ class Action(StrEnum):
     SHED = "shed"
 
 
-@dataclass(frozen=True)
-class Verdict:
+class Verdict(msgspec.Struct, frozen=True, omit_defaults=True):
+    """The judgement of one deferrable request (travels Router -> Processor)."""
+
     action: Action
     reason: str = ""
     delay_s: float = 0.0
@@ -113,6 +119,72 @@ class SloAdmissionConfig(ConfigModel):
 _OK, _DELAY, _SHED = 0, 1, 2
 
 
+class Gate(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything needed to judge one deferrable request against a pressure snapshot: the
+    thresholds (``SloAdmissionConfig``'s), the protected TTFT target and the request's
+    class and waiting time so far. Sent with the request's route request."""
+
+    slo_class: str
+    waited_s: float = 0.0
+    target_s: float | None = None
+    delay_at_requests: int
+    shed_at_requests: int
+    delay_at_kv_usage: float
+    shed_at_kv_usage: float
+    delay_at_ttft: float
+    shed_at_ttft: float
+    delay_step: float
+    max_delay: float
+
+    def level(self, w: WorkerPressure) -> tuple[int, str]:
+        """(0 ok / 1 delay / 2 shed, why) for one worker."""
+        found: tuple[int, str] = (_OK, "")
+        checks: list[tuple[int, str]] = []
+        n = w.requests
+        if n >= self.shed_at_requests:
+            checks.append((_SHED, f"{n} requests on the least loaded worker "
+                                  f"(shed at {self.shed_at_requests})"))
+        elif n >= self.delay_at_requests:
+            checks.append((_DELAY, f"{n} requests on the least loaded worker "
+                                   f"(delay at {self.delay_at_requests})"))
+        if w.kv_usage >= self.shed_at_kv_usage:
+            checks.append((_SHED, f"KV cache {w.kv_usage:.0%} full (shed at "
+                                  f"{self.shed_at_kv_usage:.0%})"))
+        elif w.kv_usage >= self.delay_at_kv_usage:
+            checks.append((_DELAY, f"KV cache {w.kv_usage:.0%} full (delay at "
+                                   f"{self.delay_at_kv_usage:.0%})"))
+        if w.predicted_ttft_s is not None and self.target_s is not None:
+            ratio = w.predicted_ttft_s / self.target_s
+            what = (f"predicted TTFT {w.predicted_ttft_s:.2f}s against the protected "
+                    f"target {self.target_s:g}s")
+            if ratio >= self.shed_at_ttft:
+                checks.append((_SHED, what))
+            elif ratio >= self.delay_at_ttft:
+                checks.append((_DELAY, what))
+        for lvl, why in checks:
+            if lvl > found[0]:
+                found = (lvl, why)
+        return found
+
+    def decide(self, pressure: Pressure | None) -> Verdict:
+        """Admit, delay or shed, judged on the least pressured candidate."""
+        if pressure is None or not pressure.workers:
+            return Verdict(Action.ADMIT, "no load known")
+        lvl, why = min((self.level(w) for w in pressure.workers), key=lambda x: x[0])
+        retry = max(1, math.ceil(max(self.max_delay / 4, self.delay_step)))
+        if lvl == _OK:
+            return Verdict(Action.ADMIT, "below the delay thresholds")
+        if lvl == _SHED:
+            return Verdict(Action.SHED, f"{self.slo_class} work shed under pressure: {why}",
+                           retry_after=retry)
+        if self.waited_s + self.delay_step > self.max_delay:
+            return Verdict(Action.SHED, f"{self.slo_class} work shed after waiting "
+                                        f"{self.waited_s:.1f}s under pressure: {why}",
+                           retry_after=retry)
+        return Verdict(Action.DELAY, f"{self.slo_class} work delayed: {why}",
+                       delay_s=self.delay_step)
+
+
 class SloAdmission:
     """``decide(pressure, slo_class, waited_s)`` for one configuration and set of classes."""
 
@@ -131,54 +203,18 @@ class SloAdmission:
     def deferrable(self, slo_class: str) -> bool:
         return self.config.enabled and slo_class in self.defer
 
-    def level(self, w: WorkerPressure) -> tuple[int, str]:
-        """(0 ok / 1 delay / 2 shed, why) for one worker."""
+    def gate(self, slo_class: str, waited_s: float = 0.0) -> Gate:
+        """The gate a request of ``slo_class`` that has waited ``waited_s`` goes through."""
         c = self.config
-        found: tuple[int, str] = (_OK, "")
-        checks: list[tuple[int, str]] = []
-        n = w.requests
-        if n >= c.shed_at_requests:
-            checks.append((_SHED, f"{n} requests on the least loaded worker "
-                                  f"(shed at {c.shed_at_requests})"))
-        elif n >= c.delay_at_requests:
-            checks.append((_DELAY, f"{n} requests on the least loaded worker "
-                                   f"(delay at {c.delay_at_requests})"))
-        if w.kv_usage >= c.shed_at_kv_usage:
-            checks.append((_SHED, f"KV cache {w.kv_usage:.0%} full (shed at "
-                                  f"{c.shed_at_kv_usage:.0%})"))
-        elif w.kv_usage >= c.delay_at_kv_usage:
-            checks.append((_DELAY, f"KV cache {w.kv_usage:.0%} full (delay at "
-                                   f"{c.delay_at_kv_usage:.0%})"))
-        if w.predicted_ttft_s is not None and self.target_s is not None:
-            ratio = w.predicted_ttft_s / self.target_s
-            what = (f"predicted TTFT {w.predicted_ttft_s:.2f}s against the protected "
-                    f"target {self.target_s:g}s")
-            if ratio >= c.shed_at_ttft:
-                checks.append((_SHED, what))
-            elif ratio >= c.delay_at_ttft:
-                checks.append((_DELAY, what))
-        for lvl, why in checks:
-            if lvl > found[0]:
-                found = (lvl, why)
-        return found
+        return Gate(slo_class=slo_class, waited_s=waited_s, target_s=self.target_s,
+                    delay_at_requests=c.delay_at_requests, shed_at_requests=c.shed_at_requests,
+                    delay_at_kv_usage=c.delay_at_kv_usage, shed_at_kv_usage=c.shed_at_kv_usage,
+                    delay_at_ttft=c.delay_at_ttft, shed_at_ttft=c.shed_at_ttft,
+                    delay_step=c.delay_step, max_delay=c.max_delay)
 
     def decide(self, pressure: Pressure | None, slo_class: str, waited_s: float = 0.0
                ) -> Verdict:
         """What to do with a request of ``slo_class`` that has waited ``waited_s`` so far."""
         if not self.deferrable(slo_class):
             return Verdict(Action.ADMIT, "not deferrable")
-        if pressure is None or not pressure.workers:
-            return Verdict(Action.ADMIT, "no load known")
-        lvl, why = min((self.level(w) for w in pressure.workers), key=lambda x: x[0])
-        c = self.config
-        retry = max(1, math.ceil(max(c.max_delay / 4, c.delay_step)))
-        if lvl == _OK:
-            return Verdict(Action.ADMIT, "below the delay thresholds")
-        if lvl == _SHED:
-            return Verdict(Action.SHED, f"{slo_class} work shed under pressure: {why}",
-                           retry_after=retry)
-        if waited_s + c.delay_step > c.max_delay:
-            return Verdict(Action.SHED, f"{slo_class} work shed after waiting "
-                                        f"{waited_s:.1f}s under pressure: {why}",
-                           retry_after=retry)
-        return Verdict(Action.DELAY, f"{slo_class} work delayed: {why}", delay_s=c.delay_step)
+        return self.gate(slo_class, waited_s).decide(pressure)

@@ -302,6 +302,34 @@ async def test_decisions_carry_the_pressure_before_the_request() -> None:
         await router.stop()
 
 
+async def test_admission_is_judged_and_counted_in_one_step() -> None:
+    """Gated requests arriving together: each sees the ones admitted before it, so no more
+    than delay-at-requests get through; a delayed one is not counted and its stream ends."""
+    from dynagraph.llm.tenants.slo import default_slo_classes
+    from dynagraph.llm.tenants.slo_admission import SloAdmission, SloAdmissionConfig
+
+    gate = SloAdmission(SloAdmissionConfig(enabled=True, delay_at_requests=2,
+                                           shed_at_requests=9, delay_step=0.1),
+                        default_slo_classes()).gate("batch")
+    store, fake = MemoryStore(), FakeWorkers()
+    w = (await _worker(store)).instance_id
+    router = await _router(store, fake)
+    try:
+        gens = [router.generate(RouteRequest(token_ids=prompt(i, 1), track=True,
+                                             admission=gate)) for i in range(3)]
+        got = [await anext(g) for g in gens]
+        assert [d["verdict"]["action"] for d in got] == ["admit", "admit", "delay"]
+        assert got[2]["verdict"]["delay_s"] == 0.1
+        assert router.pressure.inflight == {w: 2}
+        with pytest.raises(StopAsyncIteration):
+            await anext(gens[2])  # not tracked: nothing to hold open
+        for g in gens[:2]:
+            await g.aclose()  # type: ignore[attr-defined]
+        assert router.pressure.inflight == {} and router.state.inflight[w] == {}
+    finally:
+        await router.stop()
+
+
 def test_the_slo_class_scales_the_overlap_weight() -> None:
     from dynagraph.llm.router.pressure import (
         DEFAULT_CLASS_OVERLAP_WEIGHTS,

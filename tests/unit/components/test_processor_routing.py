@@ -206,10 +206,21 @@ async def test_batch_waits_while_under_pressure_then_goes(tiny_tokenizer_dir: Pa
     workers = FakeWorkers([7])
     out = await run_as(slo_processor(tiny_tokenizer_dir, router, workers, 5.0), "batch")
     assert [x["from"] for x in out] == [7, 7] and workers.calls == [7]
-    # three untracked checks (a waiting request is no load), then the tracked route
-    assert len(router.asked) == 4 and router.closed == 4
-    assert ["track" in a for a in router.asked] == [False, False, False, True]
-    assert router.asked[0]["slo_class"] == "batch"
+    # every ask is a tracked route with a gate; the two delayed ones were closed at once
+    assert len(router.asked) == 3 and router.closed == 3
+    assert all(a["track"] and a["slo_class"] == "batch" for a in router.asked)
+    assert [a["admission"]["waited_s"] for a in router.asked] == [0.0, 0.01, 0.02]
+    assert router.asked[0]["admission"]["delay_at_requests"] == 2
+
+
+async def test_the_routers_verdict_wins_over_its_pressure_snapshot(
+        tiny_tokenizer_dir: Path) -> None:
+    # the Router judged (and counted) where the snapshot alone would say otherwise
+    delayed = {**pressured(7, 0), "verdict": {"action": "delay", "reason": "r", "delay_s": 0.01}}
+    admitted = {**pressured(7, 9), "verdict": {"action": "admit"}}
+    router, workers = ScriptedRouter([delayed, admitted]), FakeWorkers([7])
+    out = await run_as(slo_processor(tiny_tokenizer_dir, router, workers, 5.0), "batch")
+    assert [x["from"] for x in out] == [7, 7] and len(router.asked) == 2
 
 
 async def test_interactive_goes_at_once_and_batch_is_shed_past_max_delay(

@@ -124,3 +124,22 @@ def test_pressure_round_trips_and_omits_defaults() -> None:
     raw = msgspec.to_builtins(p)
     assert raw == {"workers": [{"worker_id": 7, "running": 1, "predicted_ttft_s": 0.25}]}
     assert msgspec.convert(raw, Pressure) == p
+
+
+def test_the_gate_travels_with_the_route_request_and_judges_as_the_policy() -> None:
+    from dynagraph.llm.router import RouteDecision, RouteRequest, RouterMode
+
+    pol = policy()
+    gate = pol.gate("batch", waited_s=1.6)
+    ask = msgspec.convert(msgspec.to_builtins(RouteRequest([1, 2], admission=gate)),
+                          RouteRequest)
+    assert ask.admission == gate and gate.target_s == 1.0  # interactive's 1000 ms
+    for p in (snap(WorkerPressure(worker_id=1, running=3, waiting=1)),
+              snap(WorkerPressure(worker_id=1, running=12)), snap(), None):
+        assert gate.decide(p) == pol.decide(p, "batch", waited_s=1.6)
+    verdict = gate.decide(snap(WorkerPressure(worker_id=1, running=4)))
+    assert verdict.action is Action.SHED  # 1.6 s waited + a 0.5 s step passes max-delay 2
+    back = msgspec.convert(msgspec.to_builtins(RouteDecision(
+        worker_id=1, overlap_blocks=0, request_blocks=1, mode=RouterMode("kv"), verdict=verdict)),
+        RouteDecision)
+    assert back.verdict == verdict
