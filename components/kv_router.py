@@ -29,8 +29,9 @@ SLO classes (``RouteRequest.slo_class``): ``class-overlap-weights`` scales the o
 weight per class (``interactive`` weighs queueing more than a cache hit, ``batch`` less);
 each decision carries the candidates' pressure (``dynagraph.llm.router.pressure``); a
 request that comes with an admission ``Gate`` (the Processor's SLO-aware admission) is
-judged against it and counted only if admitted, in the same step, so the check and the
-count cannot be raced (``dynagraph.llm.tenants.slo_admission``).
+judged against it (and placed on the least pressured candidate if the cost's choice is
+over its thresholds) and counted only if admitted, in the same step, so the check and
+the count cannot be raced (``dynagraph.llm.tenants.slo_admission``).
 """
 
 from __future__ import annotations
@@ -154,7 +155,10 @@ class Router(Component):
                 for t in self._tasks.pop(w):
                     t.cancel()
                 self.state.remove_worker(w)
-                self.pressure.forget(w)
+                # its in-flight count stays: a lease that lapsed under load comes back with
+                # the same id at once, and its requests still run (each ends when its
+                # caller closes the route stream, migrated or done); forgetting them let
+                # admission fill the worker again
                 self.metrics.forget_worker(_label(w))
         for w, info in live.items():
             if w in self._tasks:
@@ -266,11 +270,14 @@ class Router(Component):
                                          predicted_ttft_s=decision.ttft_s)
         # judged and counted in this one synchronous step: no other request sees the
         # pressure between this verdict and this request's begin()
-        verdict = request.admission.decide(pressure) if request.admission is not None else None
+        w, overlap, verdict = decision.worker_id, decision.overlap_blocks, None
+        if request.admission is not None:
+            w, verdict = request.admission.place(pressure, w)
+            if w != decision.worker_id:  # the cost's choice was over the thresholds
+                overlap = self.state.index.find_matches(hashes).get(w, 0)
         track = request.track and (verdict is None or verdict.action is Action.ADMIT)
-        w = decision.worker_id
         self.metrics.decision(mode=mode.value, worker=_label(w), request_blocks=len(hashes),
-                              overlap_blocks=decision.overlap_blocks,
+                              overlap_blocks=overlap,
                               seconds=time.perf_counter() - t0,
                               predicted_ttft=decision.ttft_s.get(w))
         if log.isEnabledFor(logging.DEBUG):
@@ -284,12 +291,12 @@ class Router(Component):
         key = next(self._keys)
         if track:
             block_size = self.hasher.block_size if self.hasher is not None else 1
-            uncached = max(len(request.token_ids) - decision.overlap_blocks * block_size, 1)
+            uncached = max(len(request.token_ids) - overlap * block_size, 1)
             self.state.begin(w, hashes, key=key, uncached_tokens=uncached, now=now)
             self.pressure.begin(w)
         try:
             yield msgspec.to_builtins(RouteDecision(
-                worker_id=w, overlap_blocks=decision.overlap_blocks,
+                worker_id=w, overlap_blocks=overlap,
                 request_blocks=len(hashes), mode=mode, pressure=pressure, verdict=verdict))
             if track:
                 await asyncio.sleep(self.config.track_timeout)

@@ -29,8 +29,9 @@ Router): a request of a deferrable class (``batch``) asks the Router with an adm
 gate; the Router judges the candidates' pressure and counts the request only if it admits
 it, in one step. A delayed request is not counted (a waiting request is no load) and asks
 again every ``delay-step`` s; it is refused with 429 and ``Retry-After`` when the workers
-are far over or it has waited ``max-delay`` s. Other classes are always sent on. Only a
-request's first dispatch is judged, never a migration.
+are far over or it has waited ``max-delay`` s (a Router that does not answer counts as
+pressure: the request waits too). Other classes are always sent on. Only a request's
+first dispatch is judged, never a migration.
 
 Migration (``dynagraph.llm.migration``): a worker stream that breaks after output has
 started continues on another worker of the model (prompt + tokens already sent), up to
@@ -278,10 +279,14 @@ class Processor(Component):
         the request is shed. The Router's verdict counts (judged where the request is
         counted); a Router that sent none is judged here from its pressure snapshot."""
         if decision is None:
-            return 0.0  # no Router answer: routed round robin, nothing to judge by
-        verdict = decision.verdict or self.slo.decide(decision.pressure, slo_class, waited)
-        log.debug("request %s (%s): pressure %s -> %s", request_id, slo_class,
-                  decision.pressure, verdict)
+            # no Router answer in router-timeout s: the pressure is unknown and a Router
+            # too busy to answer is a sign of it, so deferrable work waits (the untracked
+            # round-robin fallback would let a flood of it through uncounted)
+            verdict = self.slo.gate(slo_class, waited).unanswered()
+        else:
+            verdict = decision.verdict or self.slo.decide(decision.pressure, slo_class, waited)
+        log.debug("request %s (%s): %s -> %s", request_id, slo_class,
+                  decision.pressure if decision is not None else "no decision", verdict)
         if verdict.action is Action.ADMIT:
             if waited > 0:
                 self.metrics.slo_delayed(slo_class, waited)
@@ -301,8 +306,8 @@ class Processor(Component):
                 return msgspec.convert(await anext(route), RouteDecision)
         except (RequestPlaneError, TimeoutError, StopAsyncIteration,
                 msgspec.ValidationError) as exc:
-            log.warning("Router gave no decision (%s: %s); routing round robin",
-                        type(exc).__name__, exc)
+            log.warning("Router gave no decision (%s: %s): round robin (deferrable work "
+                        "waits)", type(exc).__name__, exc)
             return None
 
     async def _on_worker(self, pre: PreprocessedRequest, decision: RouteDecision | None,

@@ -42,9 +42,6 @@ class PressureView:
         else:
             self.inflight.pop(w, None)
 
-    def forget(self, w: int) -> None:
-        self.inflight.pop(w, None)
-
     def summary(self, state: RouterState, allowed: Collection[int] | None = None,
                 predicted_ttft_s: Mapping[int, float] | None = None) -> Pressure:
         """The pressure of the workers a decision chooses among (the healthy live ones

@@ -5,9 +5,10 @@ The Router judges, the Processor waits. A deferrable request's route request car
 :class:`Gate` (the thresholds, the protected target, how long the request has waited);
 the Router summarises the candidate workers' :class:`Pressure` (per worker its running
 and waiting requests, the requests the Router itself has in flight there, KV usage, and a
-predicted time to first token where it has one), asks ``Gate.decide`` and, only when the
-verdict is ``admit``, starts counting the request on the chosen worker, all in one
-synchronous step. So no two waiting requests can both see the last free place: checking
+predicted time to first token where it has one), asks ``Gate.place`` (the worker its cost
+chose if that one is below the thresholds, else the least pressured candidate, judged on
+that one) and, only when the verdict is ``admit``, starts counting the request on that
+worker, all in one synchronous step. So no two waiting requests can both see the last free place: checking
 in one round trip and counting in another let several through at once when load dropped
 (the least loaded worker at 10 requests with ``delay-at-requests: 4``). A delayed request
 waits and asks again; ``SloAdmission.decide`` is the same judgement for a caller that has
@@ -170,7 +171,27 @@ class Gate(msgspec.Struct, frozen=True, kw_only=True):
         """Admit, delay or shed, judged on the least pressured candidate."""
         if pressure is None or not pressure.workers:
             return Verdict(Action.ADMIT, "no load known")
-        lvl, why = min((self.level(w) for w in pressure.workers), key=lambda x: x[0])
+        return self._verdict(*min((self.level(w) for w in pressure.workers),
+                                  key=lambda x: x[0]))
+
+    def place(self, pressure: Pressure, chosen: int) -> tuple[int, Verdict]:
+        """Where the request goes and the verdict: the ``chosen`` worker (the Router's
+        cost) if it is below every delay threshold, else the least pressured candidate
+        (fewest requests among equals), judged on that one. So an admitted request never
+        lands on a worker over the thresholds while another has room."""
+        levels = {w.worker_id: (self.level(w), w.requests) for w in pressure.workers}
+        if not levels:
+            return chosen, Verdict(Action.ADMIT, "no load known")
+        if chosen in levels and levels[chosen][0][0] == _OK:
+            return chosen, self._verdict(_OK, "")
+        best = min(levels, key=lambda k: (levels[k][0][0], levels[k][1], k))
+        return best, self._verdict(*levels[best][0])
+
+    def unanswered(self) -> Verdict:
+        """The verdict when the Router did not answer: wait (or, past max-delay, shed)."""
+        return self._verdict(_DELAY, "the Router did not answer")
+
+    def _verdict(self, lvl: int, why: str) -> Verdict:
         retry = max(1, math.ceil(max(self.max_delay / 4, self.delay_step)))
         if lvl == _OK:
             return Verdict(Action.ADMIT, "below the delay thresholds")

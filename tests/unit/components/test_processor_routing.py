@@ -223,6 +223,19 @@ async def test_the_routers_verdict_wins_over_its_pressure_snapshot(
     assert [x["from"] for x in out] == [7, 7] and len(router.asked) == 2
 
 
+async def test_deferrable_work_waits_while_the_router_does_not_answer(
+        tiny_tokenizer_dir: Path) -> None:
+    from dynagraph.errors import RequestShed
+
+    router, workers = FakeRouter(TimeoutError()), FakeWorkers([7])
+    with pytest.raises(RequestShed, match="the Router did not answer"):
+        await run_as(slo_processor(tiny_tokenizer_dir, router, workers, 0.03), "batch")
+    assert len(router.asked) == 4 and workers.calls == []  # asked at 0, .01, .02, .03 s
+    # not deferrable: round robin as before
+    out = await run_as(slo_processor(tiny_tokenizer_dir, router, workers, 0.03), "interactive")
+    assert [x["from"] for x in out] == [7, 7]
+
+
 async def test_interactive_goes_at_once_and_batch_is_shed_past_max_delay(
         tiny_tokenizer_dir: Path) -> None:
     from dynagraph.errors import RequestShed

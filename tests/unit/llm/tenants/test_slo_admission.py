@@ -143,3 +143,24 @@ def test_the_gate_travels_with_the_route_request_and_judges_as_the_policy() -> N
         worker_id=1, overlap_blocks=0, request_blocks=1, mode=RouterMode("kv"), verdict=verdict)),
         RouteDecision)
     assert back.verdict == verdict
+
+
+def test_a_gated_request_is_placed_where_there_is_room() -> None:
+    gate = policy().gate("batch")  # delay at 4, shed at 10
+    busy, free = (WorkerPressure(worker_id=1, running=5), WorkerPressure(worker_id=2, running=1))
+    assert gate.place(snap(busy, free), chosen=2) == (2, Verdict(
+        Action.ADMIT, "below the delay thresholds"))
+    # the cost chose the busy worker: the request goes where there is room
+    assert gate.place(snap(busy, free), chosen=1)[0] == 2
+    # nowhere has room: judged on the least pressured, which it would go to
+    also_busy = WorkerPressure(worker_id=2, running=0, inflight=4)
+    w, verdict = gate.place(snap(busy, also_busy), chosen=1)
+    assert w == 2 and verdict.action is Action.DELAY and "4 requests" in verdict.reason
+    assert gate.place(snap(), chosen=7) == (7, Verdict(Action.ADMIT, "no load known"))
+
+
+def test_no_router_answer_is_a_wait_then_a_shed() -> None:
+    assert policy().gate("batch").unanswered() == Verdict(
+        Action.DELAY, "batch work delayed: the Router did not answer", delay_s=0.5)
+    late = policy().gate("batch", waited_s=1.8).unanswered()
+    assert late.action is Action.SHED and "the Router did not answer" in late.reason
