@@ -1,7 +1,7 @@
 """SLO-aware admission under overload: interactive TTFT attainment with it off and on.
 
     nice -n 15 python benchmarks/slo_admission.py [--duration 40] [--interactive-rate 2]
-        [--batch-rate 10] [--batch-output 512] [--settings off,on]
+        [--batch-rate 10] [--batch-output 512] [--settings off,on] [--serve-arg=--X.key=v]
 
 Serves ``graphs.agg_router`` (``configs/agg_router.yaml``: two real vLLM workers on the
 tiny model, the Router, the Processor in ``router-mode: kv``) once per setting, with a
@@ -66,6 +66,9 @@ def _args() -> argparse.Namespace:
     p.add_argument("--admission", default="{enabled: true, delay-at-requests: 4, "
                    "shed-at-requests: 16, delay-step: 0.25, max-delay: 10}",
                    help="the Processor's slo-admission block for the 'on' setting")
+    p.add_argument("--serve-arg", action="append", default=[], metavar="--Component.key=value",
+                   help="an override for dynamo serve in every setting (repeatable), e.g. "
+                        "--serve-arg=--VllmWorker.engine-nice=10")
     p.add_argument("--name", default="slo_admission")
     return p.parse_args()
 
@@ -149,6 +152,7 @@ def run_setting(setting: str, args: argparse.Namespace, infra: dict[str, Any], m
            f"--Common.model={model_dir}", "--Common.max-model-len=1024",
            f"--Frontend.tenants-file={tenants}", "--VllmWorker.scheduling-policy=priority",
            "--ready-timeout=420"]
+    cmd += args.serve_arg
     if setting == "on":
         cmd.append(f"--Processor.slo-admission={args.admission}")
     server = ManagedProcess(cmd, env, name=f"agg_router-{setting}")
@@ -172,7 +176,10 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         f"Command: `nice -n 15 python benchmarks/slo_admission.py --duration {a['duration']:g} "
         f"--interactive-rate {a['interactive_rate']:g} --batch-rate {a['batch_rate']:g} "
-        f"--batch-output {a['batch_output']}`",
+        f"--batch-output {a['batch_output']}"
+        + "".join(f" --serve-arg={x}" for x in a.get("serve_arg") or [])
+        + (f" --name {a['name']}" if a.get("name", "slo_admission") != "slo_admission" else "")
+        + "`",
         "",
         "Machine: a **shared 2-core CPU box** (24 GiB, no GPU), run under `nice -n 15`; other "
         "engineers' jobs ran at the same time (load averages below), so absolute latencies "

@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from dynagraph.errors import ConfigError, EngineError, InvalidRequest, PromptTooLong
 from dynagraph.llm.engines.base import EngineLoad, EngineOutput, FinishReason, SamplingSpec
+from dynagraph.llm.engines.nice import renice
 from dynagraph.llm.engines.reaper import Reaper, vllm_descendants
 from dynagraph.llm.engines.vllm_stats import LoadTracker, make_stat_logger_factory
 from dynagraph.runtime import progress
@@ -84,6 +85,10 @@ class VllmEngineArgs(BaseModel):
     ``spread``: worker ``i`` of the component on core ``i mod cpus`` (``spread_bind``)."""
     cpu_reserved_cores: int | None = Field(default=None, ge=0)
     """``VLLM_CPU_NUM_OF_RESERVED_CPU``; set 0 on 2-core machines with a KV connector."""
+    engine_nice: int = Field(default=0, ge=0, le=19)
+    """Niceness added to the engine's own processes (engine core, model runner) once it
+    is up, so the graph's light processes run first where they share cores with it
+    (``dynagraph.llm.engines.nice``). 0: unchanged. No effect on an in-process engine."""
     log_stats: bool = False
     """Also run vLLM's own stat loggers (periodic log lines, ``vllm:*`` Prometheus metrics)."""
     structured_outputs_backend: Literal[
@@ -298,6 +303,10 @@ class VllmEngine:
         llm = self._llm = built.pop()
         # vLLM's helper processes outlive a SIGKILLed owner; a watchdog ends them.
         self._reaper = Reaper(sorted(set(vllm_descendants()) - helpers_before))
+        if self.args.engine_nice:
+            threads = renice(self._reaper.pids, self.args.engine_nice)
+            log.info("engine processes %s: niceness +%d on %d threads", self._reaper.pids,
+                     self.args.engine_nice, threads)
         self._max_model_len = int(llm.model_config.max_model_len)
         self._num_blocks[0] = int(llm.vllm_config.cache_config.num_gpu_blocks or 0)
         self._tracker.set_total(self._num_blocks[0])

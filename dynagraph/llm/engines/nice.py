@@ -1,0 +1,42 @@
+"""Lower the CPU priority of an engine's helper processes (``VllmWorker.engine-nice``).
+
+Where the engines share cores with the Frontend, Processor, Router and etcd (a 2-core
+box serving two vLLM workers), a fully loaded engine takes its equal share of a core from
+processes that need little CPU but need it on time: a Processor that does not run for 4 s
+misses its stream heartbeats (``StreamBroken``), a component that misses its lease
+keep-alives drops out of discovery. A positive niceness on the engine's processes lets
+the scheduler run those first and gives the engines everything left over.
+
+On Linux niceness belongs to each thread, and a thread's new threads inherit it, so every
+existing thread of every process is set (the engine's OpenMP threads already exist when
+the engine is up).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable
+
+log = logging.getLogger(__name__)
+
+
+def renice(pids: Iterable[int], increment: int) -> int:
+    """Add ``increment`` to the niceness of every thread of ``pids`` (capped at 19);
+    returns how many threads were changed. Threads that vanish meanwhile are skipped."""
+    if increment <= 0:
+        return 0
+    changed = 0
+    for pid in pids:
+        try:
+            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                now = os.getpriority(os.PRIO_PROCESS, tid)
+                os.setpriority(os.PRIO_PROCESS, tid, min(19, now + increment))
+                changed += 1
+            except OSError:
+                continue
+    return changed
