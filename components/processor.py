@@ -27,8 +27,9 @@ Picking a worker (``router-mode``):
 SLO-aware admission (``slo-admission``, ``dynagraph.llm.tenants.slo_admission``; needs the
 Router): a request of a deferrable class (``batch``) asks the Router with an admission
 gate; the Router judges the candidates' pressure and counts the request only if it admits
-it, in one step. A delayed request is not counted (a waiting request is no load) and asks
-again every ``delay-step`` s; it is refused with 429 and ``Retry-After`` when the workers
+it, in one step. Deferrable requests take turns, in arrival order: only the first asks,
+and a delayed one is not counted (a waiting request is no load) and asks again every
+``delay-step`` s; it is refused with 429 and ``Retry-After`` when the workers
 are far over or it has waited ``max-delay`` s (a Router that does not answer counts as
 pressure: the request waits too). Other classes are always sent on. Only a request's
 first dispatch is judged, never a migration.
@@ -45,6 +46,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from functools import partial
 from pathlib import Path
@@ -147,6 +149,7 @@ class Processor(Component):
         self.signer = Signer.from_env()
         try:
             self.slo = SloAdmission(config.slo_admission, config.slo_classes)
+            self._turn = asyncio.Lock()  # deferrable requests ask the Router one at a time
         except ConfigError as exc:
             raise ConfigError(str(exc), component="Processor", key="slo-admission") from None
         self.use_router = config.router_mode in ("kv", "kv-load")
@@ -256,22 +259,49 @@ class Processor(Component):
                            tenant=pre.tenant, workers=allowed,
                            slo_class=slo_class if pre.tenant is not None else None)
         gated = admission and self.slo.deferrable(slo_class)
-        waited = 0.0
-        while True:
-            if gated:
-                ask = msgspec.structs.replace(ask, admission=self.slo.gate(slo_class, waited))
-            route = self.router.generate(msgspec.to_builtins(ask))
-            async with contextlib.aclosing(route):
-                decision = await self._decision(route)
-                wait = self._admission_wait(pre.request_id, slo_class, decision,
-                                            waited) if gated else 0.0
-                if not wait:
-                    async for item in self._on_worker(pre, decision, allowed, candidates,
-                                                      attempt):
-                        yield item
-                    return
-            await asyncio.sleep(wait)  # not counted by the Router meanwhile
-            waited += wait
+        began = time.monotonic()
+        if gated:
+            await self._take_turn(pre.request_id, slo_class, began)
+        holding = gated  # the turn: released once the Router has admitted (and counted) it
+        try:
+            while True:
+                waited = time.monotonic() - began
+                if gated:
+                    ask = msgspec.structs.replace(ask, admission=self.slo.gate(slo_class, waited))
+                route = self.router.generate(msgspec.to_builtins(ask))
+                async with contextlib.aclosing(route):
+                    decision = await self._decision(route)
+                    wait = self._admission_wait(pre.request_id, slo_class, decision,
+                                                waited) if gated else 0.0
+                    if not wait:
+                        if holding:
+                            holding = False
+                            self._turn.release()
+                        async for item in self._on_worker(pre, decision, allowed, candidates,
+                                                          attempt):
+                            yield item
+                        return
+                await asyncio.sleep(wait)  # not counted by the Router meanwhile
+        finally:
+            if holding:
+                self._turn.release()
+
+    async def _take_turn(self, request_id: str, slo_class: str, began: float) -> None:
+        """Wait, in arrival order, until no other deferrable request is asking the Router;
+        ``RequestShed`` past ``max-delay``. One asker at a time: with every waiting request
+        asking every ``delay-step`` s, a hundred of them under an overload kept the
+        Processor and the Router so busy that the Processor missed its stream heartbeats."""
+        limit = self.config.slo_admission.max_delay
+        try:
+            async with asyncio.timeout(limit):
+                await self._turn.acquire()
+        except TimeoutError:
+            verdict = self.slo.gate(slo_class, time.monotonic() - began).gave_up(
+                "in line for admission")
+            self.metrics.slo_shed(slo_class)
+            log.info("request %s shed: %s", request_id, verdict.reason)
+            raise RequestShed(verdict.reason, retry_after=verdict.retry_after,
+                              code="slo_shed") from None
 
     def _admission_wait(self, request_id: str, slo_class: str,
                         decision: RouteDecision | None, waited: float) -> float:

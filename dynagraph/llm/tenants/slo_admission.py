@@ -191,17 +191,22 @@ class Gate(msgspec.Struct, frozen=True, kw_only=True):
         """The verdict when the Router did not answer: wait (or, past max-delay, shed)."""
         return self._verdict(_DELAY, "the Router did not answer")
 
+    def gave_up(self, why: str) -> Verdict:
+        """Shed after waiting ``waited_s`` (``why``: where it waited)."""
+        return Verdict(Action.SHED, f"{self.slo_class} work shed after waiting "
+                                    f"{self.waited_s:.1f}s {why}", retry_after=self._retry())
+
+    def _retry(self) -> int:
+        return max(1, math.ceil(max(self.max_delay / 4, self.delay_step)))
+
     def _verdict(self, lvl: int, why: str) -> Verdict:
-        retry = max(1, math.ceil(max(self.max_delay / 4, self.delay_step)))
         if lvl == _OK:
             return Verdict(Action.ADMIT, "below the delay thresholds")
         if lvl == _SHED:
             return Verdict(Action.SHED, f"{self.slo_class} work shed under pressure: {why}",
-                           retry_after=retry)
+                           retry_after=self._retry())
         if self.waited_s + self.delay_step > self.max_delay:
-            return Verdict(Action.SHED, f"{self.slo_class} work shed after waiting "
-                                        f"{self.waited_s:.1f}s under pressure: {why}",
-                           retry_after=retry)
+            return self.gave_up(f"under pressure: {why}")
         return Verdict(Action.DELAY, f"{self.slo_class} work delayed: {why}",
                        delay_s=self.delay_step)
 
