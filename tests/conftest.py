@@ -6,6 +6,8 @@ Set ETCD_ENDPOINTS / NATS_SERVER to use already-running services instead.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -17,6 +19,26 @@ pytest_plugins = ["tests.support.heartbeat"]  # a line when a long run goes quie
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL_DIR = REPO / "models" / "tiny-llama"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_tmpdir() -> Iterator[Path]:
+    """One temp directory for everything the tests start (served graphs and their vLLM
+    engines, etcd, NATS), removed at the end: vLLM's IPC sockets and ``vllm_dist_*``
+    directories were left in the system temp dir, several hundred per run."""
+    root = Path(tempfile.mkdtemp(prefix="dynagraph-tests-"))
+    saved = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(root)
+    tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+    try:
+        yield root
+    finally:
+        if saved is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = saved
+        tempfile.tempdir = None
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def _service(env: str, start: Callable[[], LocalService]) -> Iterator[LocalService | None]:
