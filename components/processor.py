@@ -85,7 +85,12 @@ from dynagraph.llm.protocol import (
 from dynagraph.llm.router import RouteDecision, RouteRequest, RouterMode
 from dynagraph.llm.tenants import Signer, TenantToken, verified
 from dynagraph.llm.tenants.slo import SloClass, default_slo_classes
-from dynagraph.llm.tenants.slo_admission import Action, SloAdmission, SloAdmissionConfig
+from dynagraph.llm.tenants.slo_admission import (
+    Action,
+    SloAdmission,
+    SloAdmissionConfig,
+    Verdict,
+)
 from dynagraph.observability.processor_metrics import ProcessorMetrics
 from dynagraph.runtime.round_robin import RoundRobin
 from dynagraph.sdk import Component, depends, endpoint, failover, service
@@ -296,12 +301,8 @@ class Processor(Component):
             async with asyncio.timeout(limit):
                 await self._turn.acquire()
         except TimeoutError:
-            verdict = self.slo.gate(slo_class, time.monotonic() - began).gave_up(
-                "in line for admission")
-            self.metrics.slo_shed(slo_class)
-            log.info("request %s shed: %s", request_id, verdict.reason)
-            raise RequestShed(verdict.reason, retry_after=verdict.retry_after,
-                              code="slo_shed") from None
+            raise self._shed(request_id, slo_class, self.slo.gate(
+                slo_class, time.monotonic() - began).gave_up("in line for admission")) from None
 
     def _admission_wait(self, request_id: str, slo_class: str,
                         decision: RouteDecision | None, waited: float) -> float:
@@ -322,13 +323,16 @@ class Processor(Component):
                 self.metrics.slo_delayed(slo_class, waited)
             return 0.0
         if verdict.action is Action.SHED:
-            self.metrics.slo_shed(slo_class)
-            log.info("request %s shed: %s", request_id, verdict.reason)
-            raise RequestShed(verdict.reason, retry_after=verdict.retry_after,
-                              code="slo_shed")
+            raise self._shed(request_id, slo_class, verdict)
         if waited == 0:
             log.info("request %s delayed: %s", request_id, verdict.reason)
         return verdict.delay_s
+
+    def _shed(self, request_id: str, slo_class: str, verdict: Verdict) -> RequestShed:
+        """Count and log a shed request; the error to raise (429 with Retry-After)."""
+        self.metrics.slo_shed(slo_class)
+        log.info("request %s shed: %s", request_id, verdict.reason)
+        return RequestShed(verdict.reason, retry_after=verdict.retry_after, code="slo_shed")
 
     async def _decision(self, route: AsyncIterator[dict[str, Any]]) -> RouteDecision | None:
         try:
