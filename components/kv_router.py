@@ -84,6 +84,10 @@ from dynagraph.sdk import (
 
 log = logging.getLogger(__name__)
 
+DEFAULT_POOL_BLOCK_SECONDS = 0.0001
+"""Loading one 32-token block of the tiny model from the host pool (0.1 ms, measured by
+``benchmarks/kv_offload.py``); a larger model's block costs more, but so does computing it."""
+
 class RouterConfig(ConfigModel):
     mode: RouterMode = RouterMode.KV
     cost_model: CostModel = CostModel.TIME
@@ -100,6 +104,10 @@ class RouterConfig(ConfigModel):
     reconnect_delay: float = Field(default=0.5, gt=0.0)
     track_timeout: float = Field(default=600.0, gt=0.0)
     """Longest a tracked request counts as in flight."""
+    pool_block_seconds: float | None = Field(default=DEFAULT_POOL_BLOCK_SECONDS, ge=0.0)
+    """Seconds to load one block from a worker's host KV pool (``kv-offload-gib``), the
+    price of a pooled block in the ``time`` cost (cheaper than computing it, dearer than
+    one already on the engine); null: pooled blocks count as uncached."""
     class_overlap_weights: dict[str, float] = Field(
         default_factory=lambda: dict(DEFAULT_CLASS_OVERLAP_WEIGHTS))
     """SLO class -> factor on ``overlap-weight`` for its requests (unlisted: 1)."""
@@ -256,7 +264,8 @@ class Router(Component):
             mode, hashes, overlap_weight=weight, temperature=live.temperature,
             cost_model=live.cost_model, prompt_tokens=len(token_ids),
             block_size=self.hasher.block_size if self.hasher is not None else 1,
-            now=time.monotonic() if now is None else now, allowed=allowed)
+            now=time.monotonic() if now is None else now, allowed=allowed,
+            pool_block_seconds=self.config.pool_block_seconds)
         return decision, hashes, mode
 
     @endpoint()

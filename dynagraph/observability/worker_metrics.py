@@ -22,10 +22,17 @@ _GAUGES: tuple[tuple[str, Callable[[EngineLoad], float]], ...] = (
     ("dynamo_worker_kv_used_blocks", lambda load: load.kv_blocks_used),
     ("dynamo_worker_kv_total_blocks", lambda load: load.kv_blocks_total),
     ("dynamo_worker_kv_cache_usage_ratio", lambda load: load.kv_usage),
+    ("dynamo_worker_kv_pool_usage_ratio", lambda load: load.kv_pool_usage),
 )
 _COUNTERS: tuple[tuple[str, Callable[[EngineLoad], float]], ...] = (
     ("dynamo_worker_prefix_cache_queries_total", lambda load: load.prefix_cache_queries),
     ("dynamo_worker_prefix_cache_hits_total", lambda load: load.prefix_cache_hits),
+    ("dynamo_worker_kv_pool_query_tokens_total", lambda load: load.kv_pool_query_tokens),
+    ("dynamo_worker_kv_pool_hit_tokens_total", lambda load: load.kv_pool_hit_tokens),
+    ("dynamo_worker_kv_pool_loaded_bytes_total", lambda load: load.kv_pool_loaded_bytes),
+    ("dynamo_worker_kv_pool_load_seconds_total", lambda load: load.kv_pool_load_seconds),
+    ("dynamo_worker_kv_pool_stored_bytes_total", lambda load: load.kv_pool_stored_bytes),
+    ("dynamo_worker_kv_pool_evictions_total", lambda load: load.kv_pool_evictions),
 )
 
 

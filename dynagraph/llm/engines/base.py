@@ -131,6 +131,17 @@ class EngineLoad(BaseModel):
     """The engine's own idea of its prefill speed (a simulated engine's profile)."""
     nominal_decode_step_s: float | None = None
     """The engine's own idea of one decode step's duration."""
+    kv_pool_query_tokens: int = 0
+    """Prompt tokens past the engine's own prefix looked up in its KV connectors."""
+    kv_pool_hit_tokens: int = 0
+    """Of those, tokens loaded from the host KV pool (``kv-offload-gib``) since start."""
+    kv_pool_loaded_bytes: int = 0
+    kv_pool_load_seconds: float = 0.0
+    kv_pool_stored_bytes: int = 0
+    kv_pool_evictions: int = 0
+    """Blocks the pool dropped to make room, since start."""
+    kv_pool_usage: float = 0.0
+    """Fraction of the pool's blocks held, 0.0 to 1.0."""
 
     @property
     def kv_usage(self) -> float:

@@ -67,6 +67,13 @@ class VllmEngineArgs(BaseModel):
     max_num_batched_tokens: int | None = Field(default=None, ge=16)
     kv_cache_space_gib: int = Field(default=1, ge=1)
     """KV cache size on the CPU (``VLLM_CPU_KVCACHE_SPACE``); ignored on GPUs."""
+    num_gpu_blocks_override: int | None = Field(default=None, ge=1)
+    """vLLM's engine argument: the engine cache holds exactly this many blocks (a small
+    cache, e.g. to study offloading), whatever ``kv-cache-space-gib`` would allow."""
+    kv_offload_gib: float = Field(default=0.0, ge=0.0)
+    """Host KV pool (``dynagraph.llm.kv.host_pool``): blocks that leave the engine's cache
+    are kept in this much host memory and loaded back for a later request with the same
+    prefix instead of recomputed. 0: off. Combined with a NIXL connector if one is set."""
     enforce_eager: bool = True
     """Skip torch.compile / graph capture (saves 30-70 s of start-up on the CPU)."""
     enable_prefix_caching: bool = True
@@ -115,6 +122,29 @@ class VllmEngineArgs(BaseModel):
 
 
 SPREAD = "spread"
+
+
+def kv_transfer_config(args: VllmEngineArgs) -> dict[str, Any] | None:
+    """vLLM's ``KVTransferConfig`` fields: ``kv-transfer-config`` as given, the host KV
+    pool's offloading connector, or both under vLLM's ``MultiConnector`` (the pool
+    second: a remote prefill's KV arrives over NIXL, the pool serves what was evicted)."""
+    if args.kv_offload_gib <= 0:
+        return args.kv_transfer_config
+    pool = {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            # dynagraph.llm.kv.host_pool (imports vLLM: named here, loaded by vLLM)
+            "spec_name": "HostPoolSpec",
+            "spec_module_path": "dynagraph.llm.kv.host_pool",
+            "cpu_bytes_to_use": int(args.kv_offload_gib * 2**30),
+        },
+    }
+    if not args.kv_transfer_config:
+        return pool
+    given = dict(args.kv_transfer_config)
+    return {"kv_connector": "MultiConnector", "kv_role": given.get("kv_role", "kv_both"),
+            "kv_connector_extra_config": {"connectors": [given, pool]}}
 
 
 def spread_bind(value: str | None, worker_index: int, cpus: int) -> str | None:
@@ -212,6 +242,7 @@ class VllmEngine:
             "max_model_len": a.max_model_len,
             "max_num_seqs": a.max_num_seqs,
             "max_num_batched_tokens": a.max_num_batched_tokens,
+            "num_gpu_blocks_override": a.num_gpu_blocks_override,
             "enforce_eager": a.enforce_eager,
             "enable_prefix_caching": a.enable_prefix_caching,
             "scheduling_policy": a.scheduling_policy,
@@ -255,8 +286,9 @@ class VllmEngine:
                 replay_endpoint=self.args.kv_events_replay_endpoint,
                 topic=self.args.kv_events_topic,
             )
-        if self.args.kv_transfer_config:
-            kwargs["kv_transfer_config"] = KVTransferConfig(**self.args.kv_transfer_config)
+        transfer = kv_transfer_config(self.args)
+        if transfer:
+            kwargs["kv_transfer_config"] = KVTransferConfig(**transfer)
         if "enable_logging_iteration_details" in getattr(AsyncEngineArgs, "__dataclass_fields__",
                                                          {}):
             # What each step computed, for the step timings in ``load()`` (vLLM logs them

@@ -112,12 +112,33 @@ class LoadTracker:
         with self._lock:
             return self._load
 
-    def kv_connector_stats(self, payload: Mapping[str, Any] | None) -> None:
+    def kv_connector_stats(self, payload: Mapping[str, Any] | None,
+                           lookups: Any = None) -> None:
+        """One step's connector stats: NIXL transfers go to ``on_kv_transfer``, the host
+        pool's counters into the load; ``lookups``: vLLM's ``PrefixCacheStats`` of the
+        connectors (its ``hits_by_source["host"]`` are the pool's hits)."""
         listener = self.on_kv_transfer
-        if listener is None or not payload:
+        if listener is not None and payload:
+            for nbytes, seconds in kv_transfers(payload):
+                listener(nbytes, seconds)
+        got = pool_counters(payload) if payload else {}
+        queries = int(getattr(lookups, "queries", 0) or 0)
+        hits = int((getattr(lookups, "hits_by_source", None) or {}).get("host", 0))
+        if not got and not queries:
             return
-        for nbytes, seconds in kv_transfers(payload):
-            listener(nbytes, seconds)
+        with self._lock:
+            load = self._load
+            update: dict[str, Any] = {
+                "kv_pool_query_tokens": load.kv_pool_query_tokens + queries,
+                "kv_pool_hit_tokens": load.kv_pool_hit_tokens + hits,
+                "kv_pool_loaded_bytes": load.kv_pool_loaded_bytes + int(got.get(_LOAD_BYTES, 0)),
+                "kv_pool_load_seconds": load.kv_pool_load_seconds + got.get(_LOAD_TIME, 0.0),
+                "kv_pool_stored_bytes": load.kv_pool_stored_bytes + int(got.get(_STORE_BYTES, 0)),
+                "kv_pool_evictions": load.kv_pool_evictions + int(got.get(_EVICTIONS, 0)),
+            }
+            if _USAGE in got:
+                update["kv_pool_usage"] = got[_USAGE]
+            self._load = load.model_copy(update=update)
 
 
 def kv_transfers(payload: Mapping[str, Any]) -> Iterator[tuple[int, float]]:
@@ -135,6 +156,37 @@ def kv_transfers(payload: Mapping[str, Any]) -> Iterator[tuple[int, float]]:
     for value in payload.values():
         if isinstance(value, Mapping):
             yield from kv_transfers(value)
+
+
+_LOAD_BYTES = "vllm:kv_offload_load_bytes"
+_LOAD_TIME = "vllm:kv_offload_load_time"
+_STORE_BYTES = "vllm:kv_offload_store_bytes"
+_USAGE = "vllm:kv_offload_cpu_cache_usage_perc"
+_EVICTIONS = "dynagraph:kv_pool_evictions"  # dynagraph.llm.kv.host_pool.EVICTIONS
+_POOL_KEYS = (_LOAD_BYTES, _LOAD_TIME, _STORE_BYTES, _USAGE, _EVICTIONS)
+
+
+def pool_counters(payload: Mapping[str, Any]) -> dict[str, float]:
+    """The host pool's numbers in one step's connector stats payload: vLLM's
+    offloading connector sends ``{"types": ..., "data": {name: {labels: value}}}``
+    (a MultiConnector nests one payload per connector). Counters are this step's
+    increments; the usage gauge is its latest value."""
+    data = payload.get("data")
+    if isinstance(data, Mapping) and isinstance(payload.get("types"), Mapping):
+        out: dict[str, float] = {}
+        for name in _POOL_KEYS:
+            series = data.get(name)
+            if isinstance(series, Mapping):
+                values = [v for v in series.values() if isinstance(v, int | float)]
+                if values:
+                    out[name] = max(values) if name == _USAGE else float(sum(values))
+        return out
+    for value in payload.values():
+        if isinstance(value, Mapping):
+            found = pool_counters(value)
+            if found:
+                return found
+    return {}
 
 
 def make_stat_logger_factory(tracker: LoadTracker, num_blocks: list[int]) -> Any:
@@ -169,7 +221,9 @@ def make_stat_logger_factory(tracker: LoadTracker, num_blocks: list[int]) -> Any
                 prefill_tokens=details.num_ctx_tokens if details is not None else None,
                 decode_seqs=details.num_generation_requests if details is not None else 0,
             )
-            tracker.kv_connector_stats(scheduler_stats.kv_connector_stats)
+            tracker.kv_connector_stats(
+                scheduler_stats.kv_connector_stats,
+                getattr(scheduler_stats, "connector_prefix_cache_stats", None))
 
         def log_engine_initialized(self) -> None:
             return None

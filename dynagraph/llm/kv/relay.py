@@ -48,6 +48,7 @@ import zmq.asyncio
 from dynagraph.llm.engines.base import EngineLoad
 from dynagraph.llm.router.events import (
     DEFAULT_MEDIA,
+    POOL_MEDIA,
     AllCleared,
     BlocksStored,
     BlocksStoredWithTokens,
@@ -78,16 +79,18 @@ class Delta:
 
 
 class BlockSet:
-    """The block hashes one worker holds, with a copy count each. Pure, no I/O.
+    """The block hashes one worker holds in one tier, with a copy count each. Pure, no I/O.
 
-    Only events of the primary cache (``medium`` in ``DEFAULT_MEDIA``, KV-cache group
-    0) count, as in :func:`dynagraph.llm.router.events.apply_events`.
+    Only events of that tier's ``media`` (default: the engine's own cache,
+    ``DEFAULT_MEDIA``) and of KV-cache group 0 count, as in
+    :func:`dynagraph.llm.router.events.apply_events`.
     """
 
-    __slots__ = ("_counts",)
+    __slots__ = ("_counts", "_media")
 
-    def __init__(self) -> None:
+    def __init__(self, media: frozenset[str | None] = DEFAULT_MEDIA) -> None:
         self._counts: dict[int, int] = {}
+        self._media = media
 
     def __len__(self) -> int:
         return len(self._counts)
@@ -110,7 +113,7 @@ class BlockSet:
                 before.clear()
                 cleared = True
                 continue
-            if ev.medium not in DEFAULT_MEDIA or (ev.group_idx or 0) != 0:
+            if ev.medium not in self._media or (ev.group_idx or 0) != 0:
                 continue
             if isinstance(ev, BlocksStored):
                 for h in ev.block_hashes:
@@ -203,6 +206,8 @@ class KvEventFeed:
     def __init__(self, *, queue_size: int = DEFAULT_QUEUE_SIZE) -> None:
         self._queue_size = queue_size
         self.blocks = BlockSet()
+        self.pooled = BlockSet(POOL_MEDIA)
+        """Blocks in the host KV pool (``kv-offload-gib``), published as their own tier."""
         self.stats = RelayStats()
         self.seq = 0
         self._subscribers: set[RelaySubscription] = set()
@@ -218,16 +223,20 @@ class KvEventFeed:
         return len(self._subscribers)
 
     def _snapshot(self) -> RelayBatch:
-        return RelayBatch(seq=self.seq, snapshot=True, stored=self.blocks.hashes())
+        return RelayBatch(seq=self.seq, snapshot=True, stored=self.blocks.hashes(),
+                          pooled_stored=self.pooled.hashes())
 
     def publish(self, events: Iterable[KvEvent]) -> RelayBatch | None:
         """Apply one batch of events; returns what was sent (None: no net change)."""
+        events = list(events)
         delta = self.blocks.apply(events)
-        if not delta:
+        pooled = self.pooled.apply(events)
+        if not delta and not pooled:
             return None
         self.seq += 1
         out = RelayBatch(seq=self.seq, cleared=delta.cleared, stored=delta.stored,
-                         removed=delta.removed)
+                         removed=delta.removed, pooled_stored=pooled.stored,
+                         pooled_removed=pooled.removed)
         for sub in list(self._subscribers):
             if not sub._put(out):
                 self.stats.resyncs += 1

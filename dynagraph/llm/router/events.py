@@ -24,6 +24,9 @@ from .hashing import BlockHasher, external_hash
 from .index import PrefixIndex
 
 DEFAULT_MEDIA: frozenset[str | None] = frozenset({"GPU", None})
+"""The engine's own cache (vLLM names it GPU whatever the device)."""
+POOL_MEDIA: frozenset[str | None] = frozenset({"CPU"})
+"""The host KV pool (vLLM's offloading connector publishes its blocks as CPU)."""
 
 
 class KvEventDecodeError(DynagraphError):
@@ -244,6 +247,8 @@ class RelayBatch(msgspec.Struct, frozen=True):
     Apply in this order: if ``snapshot`` or ``cleared``, forget every block of the
     worker; then remove ``removed``; then add ``stored``. ``seq`` increases by one
     per live batch; a snapshot carries the seq of the last batch it includes.
+    ``pooled_*``: the same for the worker's host KV pool (a snapshot or ``cleared``
+    forgets its pooled blocks too).
     """
 
     seq: int
@@ -251,6 +256,8 @@ class RelayBatch(msgspec.Struct, frozen=True):
     cleared: bool = False
     stored: list[int] = []
     removed: list[int] = []
+    pooled_stored: list[int] = []
+    pooled_removed: list[int] = []
 
     def to_wire(self) -> dict[str, Any]:
         return msgspec.to_builtins(self)  # type: ignore[no-any-return]
@@ -259,12 +266,22 @@ class RelayBatch(msgspec.Struct, frozen=True):
     def from_wire(cls, data: Any) -> RelayBatch:
         return msgspec.convert(data, cls)
 
-    def apply_to(self, index: PrefixIndex, worker_id: int) -> None:
-        """Mirror this batch into ``index`` under ``worker_id``."""
-        if self.snapshot or self.cleared:
-            index.clear_worker(worker_id)
-        index.add_worker(worker_id)
-        if self.removed:
-            index.apply_removed(worker_id, self.removed)
-        if self.stored:
-            index.apply_stored(worker_id, None, self.stored)
+    def apply_to(self, index: PrefixIndex, worker_id: int,
+                 pooled: PrefixIndex | None = None) -> None:
+        """Mirror this batch into ``index`` (and the pool's blocks into ``pooled``)
+        under ``worker_id``."""
+        _mirror(index, worker_id, self.snapshot or self.cleared, self.removed, self.stored)
+        if pooled is not None:
+            _mirror(pooled, worker_id, self.snapshot or self.cleared, self.pooled_removed,
+                    self.pooled_stored)
+
+
+def _mirror(index: PrefixIndex, worker_id: int, reset: bool, removed: list[int],
+            stored: list[int]) -> None:
+    if reset:
+        index.clear_worker(worker_id)
+    index.add_worker(worker_id)
+    if removed:
+        index.apply_removed(worker_id, removed)
+    if stored:
+        index.apply_stored(worker_id, None, stored)

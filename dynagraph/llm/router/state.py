@@ -26,6 +26,8 @@ from dynagraph.llm.tenants.identity import TenantToken
 from dynagraph.llm.tenants.slo_admission import Gate, Pressure, Verdict
 from dynagraph.runtime.round_robin import RoundRobin
 
+POOL_TIER = "pool"
+
 
 class RouteRequest(msgspec.Struct, omit_defaults=True):
     """Processor -> Router: which worker for these prompt tokens?
@@ -74,6 +76,9 @@ class RouterState:
     def __init__(self, rng: random.Random | None = None,
                  priors: RatePriors | None = None) -> None:
         self.index = PrefixIndex()
+        self.pooled = PrefixIndex()
+        """Blocks in each worker's host KV pool: loadable, not computed, not on-engine."""
+        self._pooling = False  # any worker ever reported a pooled block
         self.rng = rng or random.Random()
         self.rr = RoundRobin()
         self.priors = priors or RatePriors()
@@ -87,6 +92,7 @@ class RouterState:
     def add_worker(self, w: int) -> None:
         self.live.add(w)
         self.index.add_worker(w)
+        self.pooled.add_worker(w)
         self.inflight.setdefault(w, {})
         self.queues.setdefault(w, WorkerQueue())
         self.learners.setdefault(w, RateLearner(self.priors))
@@ -95,6 +101,7 @@ class RouterState:
         self.live.discard(w)
         self.healthy.discard(w)
         self.index.remove_worker(w)
+        self.pooled.remove_worker(w)
         self.reported.pop(w, None)
         self.inflight.pop(w, None)
         self.queues.pop(w, None)
@@ -126,7 +133,16 @@ class RouterState:
 
     def apply(self, w: int, batch: RelayBatch) -> None:
         if w in self.live:
-            batch.apply_to(self.index, w)
+            batch.apply_to(self.index, w, self.pooled)
+            self._pooling = self._pooling or bool(batch.pooled_stored)
+
+    def pooled_beyond(self, hashes: list[int], overlaps: dict[int, int]) -> dict[int, int]:
+        """Per worker: the blocks of this prompt it can load from its host KV pool past
+        its on-engine prefix (its pool's leading run minus ``overlaps``), where > 0."""
+        if not self._pooling:
+            return {}
+        found = self.pooled.find_matches(hashes)
+        return {w: n - overlaps.get(w, 0) for w, n in found.items() if n > overlaps.get(w, 0)}
 
     def begin(self, w: int, hashes: list[int], *, key: int | None = None,
               uncached_tokens: float = 0.0, now: float = 0.0) -> None:
@@ -200,11 +216,19 @@ class RouterState:
     def decide(self, mode: RouterMode, hashes: list[int], *, overlap_weight: float = 1.0,
                temperature: float = 0.0, cost_model: CostModel = CostModel.TIME,
                prompt_tokens: int | None = None, block_size: int = 1,
-               now: float | None = None, allowed: Collection[int] | None = None) -> Decision:
+               now: float | None = None, allowed: Collection[int] | None = None,
+               pool_block_seconds: float | None = None) -> Decision:
+        """``pool_block_seconds``: the time to load one block from a worker's host KV
+        pool (None: pooled blocks are not priced, as if they had to be computed)."""
         rates = self.all_rates()
         overlaps, loads = self.inputs(hashes, now, rates, allowed=allowed)
+        tiers: dict[int, dict[str, int]] | None = None
+        prices: dict[str, float] | None = None
+        if pool_block_seconds is not None:
+            tiers = {w: {POOL_TIER: n} for w, n in self.pooled_beyond(hashes, overlaps).items()}
+            prices = {POOL_TIER: pool_block_seconds}
         return choose_worker(mode, overlaps, loads, len(hashes), self.rng,
                              overlap_weight=overlap_weight, temperature=temperature,
                              rr_state=self.rr, cost_model=cost_model,
                              prompt_tokens=prompt_tokens, block_size=block_size,
-                             rates=rates)
+                             rates=rates, tiers=tiers, tier_prices=prices)

@@ -48,6 +48,26 @@ def test_kv_mode_prefers_the_worker_holding_the_prefix() -> None:
     assert s.decide(RouterMode.KV_LOAD, req).overlap_blocks in (0, 8)
 
 
+def test_pooled_blocks_are_priced_between_on_engine_and_uncached() -> None:
+    C = 0xC
+    s = state_with(A, B, C)
+    blocks = hasher.block_hashes(prompt(1, 8))
+    s.apply(A, RelayBatch(seq=1, snapshot=True, stored=blocks[:2]))  # 2 on the engine
+    s.apply(B, RelayBatch(seq=1, snapshot=True, pooled_stored=blocks))  # 8 in its pool
+    s.apply(C, RelayBatch(seq=1, snapshot=True, stored=blocks[:4], pooled_stored=blocks[:6]))
+    assert s.pooled_beyond(blocks, {A: 2, C: 4}) == {B: 8, C: 2}
+    d = s.decide(RouterMode.KV, blocks, pool_block_seconds=1e-6)
+    assert d.worker_id == B  # 8 cheap loads beat 4 on-engine blocks + 2 loads + 2 computed
+    assert d.costs[B] < d.costs[C] < d.costs[A]
+    # not priced: the longest on-engine prefix wins again
+    assert s.decide(RouterMode.KV, blocks, pool_block_seconds=None).worker_id == C
+    # a pool slower than computing: the engines with a pool will load anyway, so the
+    # one without wins
+    assert s.decide(RouterMode.KV, blocks, pool_block_seconds=1.0).worker_id == A
+    s.remove_worker(B)
+    assert s.pooled_beyond(blocks, {}) == {C: 6}
+
+
 def test_the_choice_is_limited_to_the_workers_of_the_model() -> None:
     s = state_with(A, B)
     shared = hasher.block_hashes(prompt(1, 8))

@@ -10,7 +10,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from dynagraph.llm.kv.relay import BlockSet, KvEventRelay
+from dynagraph.llm.kv.relay import BlockSet, KvEventFeed, KvEventRelay
 from dynagraph.llm.router.events import AllCleared, BlocksRemoved, BlocksStored, RelayBatch
 from dynagraph.llm.router.hashing import BlockHasher
 from dynagraph.llm.router.index import PrefixIndex
@@ -226,8 +226,6 @@ async def test_load_snapshots_changes_only_skip_equal_samples() -> None:
 
 
 async def test_a_feed_is_fed_events_directly() -> None:
-    from dynagraph.llm.kv.relay import KvEventFeed
-
     feed = KvEventFeed()
     assert feed.publish([st(1, 2)]) == RelayBatch(seq=1, stored=[1, 2])
     assert feed.publish([st(2), rm(2)]) is None  # a second copy came and went: no net change
@@ -239,3 +237,23 @@ async def test_a_feed_is_fed_events_directly() -> None:
     feed.end()
     with pytest.raises(StopAsyncIteration):
         await _next(it)
+
+
+def test_pooled_blocks_are_their_own_tier() -> None:
+    feed = KvEventFeed()
+    sent = feed.publish([st(1, 2), st(1, 2, medium="CPU"), st(3, medium="CPU")])
+    assert sent is not None
+    assert (sent.stored, sent.pooled_stored) == ([1, 2], [1, 2, 3])
+    sent = feed.publish([rm(1), BlocksRemoved(block_hashes=[3], medium="CPU")])
+    assert sent is not None and (sent.removed, sent.pooled_removed) == ([1], [3])
+    assert feed.publish([st(2, medium="CPU")]) is None  # a second pooled copy: no news
+    snap = feed._snapshot()
+    assert (snap.stored, snap.pooled_stored) == ([2], [1, 2])
+
+    index, pooled = PrefixIndex(), PrefixIndex()
+    snap.apply_to(index, W, pooled)
+    assert (index.worker_blocks(W), pooled.worker_blocks(W)) == ({2}, {1, 2})
+    RelayBatch(seq=9, pooled_removed=[1]).apply_to(index, W, pooled)
+    assert (index.worker_blocks(W), pooled.worker_blocks(W)) == ({2}, {2})
+    RelayBatch(seq=10, cleared=True).apply_to(index, W, pooled)
+    assert index.worker_blocks(W) == pooled.worker_blocks(W) == set()

@@ -17,6 +17,7 @@ from dynagraph.llm.engines.vllm_engine import (
     VllmEngineArgs,
     _finish_reason,
     _to_engine_outputs,
+    kv_transfer_config,
 )
 from dynagraph.llm.engines.vllm_stats import LoadTracker
 
@@ -56,6 +57,24 @@ def test_engine_args_mapping_drops_unset_and_merges_extra() -> None:
     assert kwargs["swap_space"] == 0
     assert kwargs["disable_log_stats"] is True
     assert "max_model_len" not in kwargs  # unset: vLLM takes the model's
+
+
+def test_host_pool_alone_or_under_a_multi_connector_with_nixl() -> None:
+    assert kv_transfer_config(VllmEngineArgs(model="m")) is None
+    nixl = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+    assert kv_transfer_config(VllmEngineArgs(model="m", kv_transfer_config=nixl)) == nixl
+    a = VllmEngineArgs.model_validate({"model": "m", "kv-offload-gib": 0.5,
+                                       "num-gpu-blocks-override": 160})
+    assert VllmEngine(a).engine_args()["num_gpu_blocks_override"] == 160
+    pool = kv_transfer_config(a)
+    assert pool is not None and pool["kv_connector"] == "OffloadingConnector"
+    extra = pool["kv_connector_extra_config"]
+    assert extra["cpu_bytes_to_use"] == 2**29
+    assert (extra["spec_module_path"], extra["spec_name"]) == (
+        "dynagraph.llm.kv.host_pool", "HostPoolSpec")
+    both = kv_transfer_config(a.model_copy(update={"kv_transfer_config": nixl}))
+    assert both is not None and both["kv_connector"] == "MultiConnector"
+    assert both["kv_connector_extra_config"]["connectors"] == [nixl, pool]
 
 
 def test_engine_args_extra_may_not_shadow_typed_keys() -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dynagraph.llm.engines.vllm_stats import LoadTracker, kv_transfers
+from types import SimpleNamespace
+
+from dynagraph.llm.engines.vllm_stats import LoadTracker, kv_transfers, pool_counters
 
 NIXL = {"transfer_duration": [0.002, 0.004], "post_duration": [0.0001, 0.0002],
         "bytes_transferred": [2097152, 8388608], "num_descriptors": [256, 1024],
@@ -88,3 +90,36 @@ def test_untimed_records_and_unknown_starts_add_nothing() -> None:
     assert t.get().prefilling == 0
     t.set_max_batched_tokens(2048)
     assert t.get().max_num_batched_tokens == 2048
+
+
+def _offload(**series: float) -> dict[str, object]:
+    """An offloading connector stats payload as vLLM's stat logger receives it."""
+    return {"types": {k: "counter" for k in series},
+            "data": {k: {(): v} for k, v in series.items()}}
+
+
+def test_pool_counters_read_the_offloading_payload_also_inside_a_multi_connector() -> None:
+    step = _offload(**{"vllm:kv_offload_load_bytes": 4096, "vllm:kv_offload_load_time": 0.5,
+                       "dynagraph:kv_pool_evictions": 3,
+                       "vllm:kv_offload_cpu_cache_usage_perc": 0.25,
+                       "vllm:kv_offload_lookup_sync_delay_seconds": 9})
+    want = {"vllm:kv_offload_load_bytes": 4096.0, "vllm:kv_offload_load_time": 0.5,
+            "dynagraph:kv_pool_evictions": 3.0, "vllm:kv_offload_cpu_cache_usage_perc": 0.25}
+    assert pool_counters(step) == want
+    assert pool_counters({"NixlConnector": NIXL, "OffloadingConnector": step}) == want
+    assert pool_counters(NIXL) == {}
+
+
+def test_tracker_adds_pool_steps_to_the_load() -> None:
+    tracker = LoadTracker()
+    lookups = SimpleNamespace(queries=96, hits_by_source={"host": 64})
+    tracker.kv_connector_stats(_offload(**{"vllm:kv_offload_store_bytes": 100}), None)
+    tracker.kv_connector_stats(_offload(**{"vllm:kv_offload_load_bytes": 40,
+                                           "vllm:kv_offload_load_time": 0.25,
+                                           "dynagraph:kv_pool_evictions": 2}), lookups)
+    tracker.kv_connector_stats(_offload(**{"vllm:kv_offload_store_bytes": 1,
+                                           "vllm:kv_offload_cpu_cache_usage_perc": 0.5}), None)
+    load = tracker.get()
+    assert (load.kv_pool_query_tokens, load.kv_pool_hit_tokens) == (96, 64)
+    assert (load.kv_pool_loaded_bytes, load.kv_pool_load_seconds) == (40, 0.25)
+    assert (load.kv_pool_stored_bytes, load.kv_pool_evictions, load.kv_pool_usage) == (101, 2, 0.5)

@@ -1,0 +1,185 @@
+"""Host KV pool (``kv-offload-gib``): second-round TTFT of prefixes the engine had to evict.
+
+    python benchmarks/kv_offload.py [--prefixes 8] [--prefix-tokens 1500] [--blocks 160]
+        [--pool-gib 1] [--rounds 2]
+
+Serves ``graphs.agg`` (``configs/agg.yaml``: one real vLLM worker on the tiny model) as
+users run it, with the engine's cache cut to ``--blocks`` blocks of 32 tokens
+(``num-gpu-blocks-override``), once without a pool and once with ``kv-offload-gib``.
+Sends ``--prefixes`` distinct prompts of ``--prefix-tokens`` random token ids one after
+the other, ``--rounds`` times (streamed ``/v1/completions``, 4 output tokens): the
+prefixes together are larger than the engine's cache, so by the time a prefix comes
+back the engine has evicted it. Reported per setting and round: mean / p50 / max TTFT,
+errors, and the worker's ``dynamo_worker_kv_pool_*`` counters (hits, bytes, evictions)
+read from its own ``/metrics``. The goal: mean TTFT of the second round with the pool
+<= 0.6x of the same without. Writes benchmarks/results/kv_offload.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import random
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks._common import (  # noqa: E402
+    REPO,
+    ManagedProcess,
+    load_average,
+    markdown_table,
+    publish,
+    stream_request,
+    summarize,
+)
+from dynagraph.runtime.infra import free_port, local_infra  # noqa: E402
+from tests.support.metrics import scrape, total  # noqa: E402
+from tools.model_builder import ensure_model  # noqa: E402
+
+log = logging.getLogger("kv_offload")
+
+POOL_SERIES = ("hit_tokens", "query_tokens", "loaded_bytes", "stored_bytes", "evictions",
+               "load_seconds")
+
+
+def pool_metrics(address: str) -> dict[str, float]:
+    text = scrape(address)
+    out = {k: total(text, f"dynamo_worker_kv_pool_{k}_total") for k in POOL_SERIES}
+    out["prefix_cache_hit_tokens"] = total(text, "dynamo_worker_prefix_cache_hits_total")
+    return out
+
+
+async def one_round(url: str, prompts: list[list[int]], rnd: int) -> dict[str, Any]:
+    import aiohttp
+
+    ttfts: list[float] = []
+    errors: list[str] = []
+    async with aiohttp.ClientSession() as session:
+        for i, prompt in enumerate(prompts):
+            body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": 4,
+                    "temperature": 0, "ignore_eos": True, "stream": True}
+            r = await stream_request(session, f"{url}/v1/completions", body, 300.0)
+            if r.error or not r.chunk_times:
+                errors.append(f"round {rnd} prefix {i}: {r.error or 'no text'}")
+            else:
+                ttfts.append(r.chunk_times[0])
+    s = summarize([t * 1000 for t in ttfts]) if ttfts else {}
+    return {"round": rnd, "ttft_ms": s, "ttfts_ms": [round(t * 1000, 1) for t in ttfts],
+            "errors": errors}
+
+
+def run_setting(pool_gib: float, args: argparse.Namespace, infra: dict[str, Any],
+                model_dir: Path, prompts: list[list[int]]) -> dict[str, Any]:
+    port = free_port()
+    env = {**os.environ, "ETCD_ENDPOINTS": infra["etcd"].url, "NATS_SERVER": infra["nats"].url,
+           "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "dynagraph.cli.main", "serve", "graphs.agg:Frontend",
+           "-f", "configs/agg.yaml", f"--Frontend.port={port}", f"--Common.model={model_dir}",
+           f"--VllmWorker.num-gpu-blocks-override={args.blocks}",
+           f"--VllmWorker.kv-offload-gib={pool_gib}", "--ready-timeout=420"]
+    server = ManagedProcess(cmd, env, name=f"agg-pool-{pool_gib}")
+    try:
+        banner, _ = server.wait_line(lambda s: "VllmWorker[0] pid=" in s, 420)
+        m = re.search(r"metrics=(\S+)", banner)
+        if m is None:
+            raise RuntimeError(f"no metrics address in {banner!r}")
+        server.wait_line(lambda s: "dynamo serve: graph " in s, 420)
+        url = f"http://127.0.0.1:{port}"
+        rounds = []
+        load0 = load_average()
+        for rnd in range(1, args.rounds + 1):
+            before = pool_metrics(m.group(1))
+            out = asyncio.run(one_round(url, prompts, rnd))
+            time.sleep(0.5)  # the last step's stats reach the worker's metrics after it
+            after = pool_metrics(m.group(1))
+            out["worker"] = {k: after[k] - before[k] for k in after}
+            log.info("pool %s GiB round %d: %s", pool_gib, rnd, out)
+            rounds.append(out)
+        return {"pool_gib": pool_gib, "rounds": rounds, "load_average_before": load0,
+                "load_average_after": load_average(), "command": " ".join(cmd[1:])}
+    finally:
+        server.stop()
+
+
+def markdown(result: dict[str, Any]) -> str:
+    a = result["args"]
+    runs = result["runs"]
+    lines = [
+        "# Host KV pool: TTFT of prefixes that came back after the engine evicted them",
+        "",
+        f"`python benchmarks/kv_offload.py --prefixes {a['prefixes']} --prefix-tokens "
+        f"{a['prefix_tokens']} --blocks {a['blocks']} --pool-gib {a['pool_gib']} --rounds "
+        f"{a['rounds']}` at {result['when']}, {result['machine']['cpus']} CPUs, Python "
+        f"{result['machine']['python']}.",
+        "",
+        f"`graphs.agg` served with `dynamo serve` (one vLLM worker, tiny model), the engine's "
+        f"cache cut to {a['blocks']} blocks of 32 tokens ({a['blocks'] * 32} tokens); "
+        f"{a['prefixes']} prompts of {a['prefix_tokens']} random token ids "
+        f"({a['prefixes'] * a['prefix_tokens']} tokens together) sent one after the other, "
+        f"{a['rounds']} rounds, 4 output tokens each. Pool counters: the worker's "
+        "`dynamo_worker_kv_pool_*` metrics over the round.",
+        "",
+    ]
+    rows = []
+    for run in runs:
+        for r in run["rounds"]:
+            w = r["worker"]
+            t = r["ttft_ms"]
+            rows.append({
+                "pool GiB": run["pool_gib"], "round": r["round"],
+                "TTFT mean / p50 / max (ms)": (f"{t.get('mean', float('nan')):.1f} / "
+                                               f"{t.get('p50', float('nan')):.1f} / "
+                                               f"{t.get('max', float('nan')):.1f}"),
+                "errors": len(r["errors"]),
+                "pool hit tokens": int(w["hit_tokens"]),
+                "engine cache hit tokens": int(w["prefix_cache_hit_tokens"]),
+                "loaded MiB (s)": f"{w['loaded_bytes'] / 2**20:.1f} ({w['load_seconds']:.3f})",
+                "stored MiB": f"{w['stored_bytes'] / 2**20:.1f}",
+                "pool evictions": int(w["evictions"]),
+            })
+    lines += markdown_table(list(rows[0]), rows)
+    last = {run["pool_gib"]: run["rounds"][-1]["ttft_ms"].get("mean") for run in runs}
+    off, on = last.get(0.0), next((v for k, v in last.items() if k > 0), None)
+    if off and on:
+        lines += ["", f"Last round, mean TTFT with the pool / without: **{on / off:.2f}x** "
+                      "(goal <= 0.6x)."]
+    lines += ["", "Load average before / after each setting: " + ", ".join(
+        f"{r['pool_gib']} GiB {r['load_average_before']:.1f} / {r['load_average_after']:.1f}"
+        for r in runs), ""]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--prefixes", type=int, default=8)
+    p.add_argument("--prefix-tokens", type=int, default=1500)
+    p.add_argument("--blocks", type=int, default=160)
+    p.add_argument("--pool-gib", type=float, default=1.0)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--name", default="kv_offload")
+    args = p.parse_args()
+    model_dir = ensure_model(REPO / "models" / "tiny-llama")
+    rng = random.Random(args.seed)
+    prompts = [[rng.randrange(100, 2000) for _ in range(args.prefix_tokens)]
+               for _ in range(args.prefixes)]
+    runs = []
+    with local_infra(etcd=True, nats=True) as infra:
+        for gib in (0.0, args.pool_gib):
+            runs.append(run_setting(gib, args, infra, model_dir, prompts))
+    publish(args.name, {"args": vars(args), "runs": runs,
+                        "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}, markdown)
+    errors = sum(len(r["errors"]) for run in runs for r in run["rounds"])
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""A real vLLM engine with a small cache and the host KV pool (``kv-offload-gib``).
+
+A prefix the engine evicted comes back from the pool: the engine's load counts the
+pool's hits, the relay publishes the pooled blocks as their own tier, and the greedy
+tokens equal those of the same prompt served from the engine's own prefix cache (both
+attend to the very same KV bytes and compute only the prompt's tail).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from dynagraph.llm.engines import SamplingSpec
+from dynagraph.llm.engines.vllm_engine import VllmEngine, VllmEngineArgs
+from dynagraph.llm.kv.relay import KvEventRelay
+from dynagraph.llm.router.hashing import BlockHasher
+from tests.vllm.conftest import TEST_BLOCK_SIZE, in_process_model
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
+
+ENGINE_BLOCKS = 16
+PROMPT_BLOCKS = 6
+HASHER = BlockHasher(TEST_BLOCK_SIZE)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def pooled_engine(model_dir: Path) -> AsyncIterator[tuple[VllmEngine, KvEventRelay]]:
+    relay = KvEventRelay(hasher=HASHER)
+    engine = VllmEngine(VllmEngineArgs(
+        model=str(model_dir), block_size=TEST_BLOCK_SIZE, max_model_len=(ENGINE_BLOCKS - 1) * TEST_BLOCK_SIZE, max_num_seqs=2,
+        num_gpu_blocks_override=ENGINE_BLOCKS, kv_offload_gib=0.05,
+        kv_events_endpoint=relay.bind(), kv_events_topic="pool-test"))
+    await relay.start()
+    try:
+        with in_process_model():
+            await engine.start()
+        yield engine, relay
+    finally:
+        await engine.shutdown()
+        await relay.close()
+
+
+def prompt(tag: int) -> list[int]:
+    return [7 + (tag * 131 + i * 17) % 1900 for i in range(PROMPT_BLOCKS * TEST_BLOCK_SIZE + 5)]
+
+
+async def greedy(engine: VllmEngine, rid: str, tokens: list[int]) -> list[int]:
+    out: list[int] = []
+    async for step in engine.generate(rid, tokens, SamplingSpec(temperature=0.0, max_tokens=8,
+                                                                ignore_eos=True)):
+        out += step.token_ids
+    return out
+
+
+async def until(check: object, within_s: float = 10.0) -> None:
+    deadline = time.monotonic() + within_s
+    while not check():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_an_evicted_prefix_is_loaded_from_the_pool(
+        pooled_engine: tuple[VllmEngine, KvEventRelay]) -> None:
+    engine, relay = pooled_engine
+    a = prompt(1)
+    hashes = HASHER.block_hashes(a)
+    assert len(hashes) == PROMPT_BLOCKS
+    await greedy(engine, "a-1", a)
+    from_engine = await greedy(engine, "a-2", a)  # the engine's own prefix cache
+    await until(lambda: all(h in relay.pooled for h in hashes))
+    for tag in (2, 3, 4):  # 3 x 6 blocks through a 16-block cache evict a's
+        await greedy(engine, f"fill-{tag}", prompt(tag))
+    await until(lambda: not any(h in relay.blocks for h in hashes))
+    hits_before = engine.load().kv_pool_hit_tokens
+    from_pool = await greedy(engine, "a-3", a)
+    assert from_pool == from_engine
+    await until(lambda: engine.load().kv_pool_hit_tokens > hits_before)
+    load = engine.load()
+    # every full block but the last is loaded (vLLM computes at least the last token)
+    assert load.kv_pool_hit_tokens - hits_before >= (PROMPT_BLOCKS - 1) * TEST_BLOCK_SIZE
+    assert load.kv_pool_loaded_bytes > 0 and load.kv_pool_stored_bytes > 0
