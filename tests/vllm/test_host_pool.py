@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
+from dynagraph.errors import ConfigError
 from dynagraph.llm.engines import SamplingSpec
 from dynagraph.llm.engines.vllm_engine import VllmEngine, VllmEngineArgs
 from dynagraph.llm.kv.relay import KvEventRelay
@@ -86,3 +87,26 @@ async def test_an_evicted_prefix_is_loaded_from_the_pool(
     # every full block but the last is loaded (vLLM computes at least the last token)
     assert load.kv_pool_hit_tokens - hits_before >= (PROMPT_BLOCKS - 1) * TEST_BLOCK_SIZE
     assert load.kv_pool_loaded_bytes > 0 and load.kv_pool_stored_bytes > 0
+
+
+@pytest.mark.asyncio(loop_scope="session")
+@pytest.mark.parametrize("codec, passes", [
+    ("int8", True), ("tests.support.bad_codec:SignOnly", False)])
+async def test_the_quality_guard_passes_int8_and_refuses_a_bad_codec(
+        model_dir: Path, codec: str, passes: bool) -> None:
+    engine = VllmEngine(VllmEngineArgs(
+        model=str(model_dir), block_size=TEST_BLOCK_SIZE, max_model_len=1024, max_num_seqs=2,
+        kv_offload_gib=0.05, kv_compression=codec))
+    with in_process_model():
+        if not passes:
+            with pytest.raises(ConfigError, match="quality guard refused.*SignOnly.*divergence"):
+                await engine.start()
+            assert not engine.started
+            return
+        await engine.start()
+    try:
+        report = engine.guard_report
+        assert report.agreement >= 0.75 and 0 < report.divergence <= 0.05
+        assert report.pool_hit_tokens > 0
+    finally:
+        await engine.shutdown()

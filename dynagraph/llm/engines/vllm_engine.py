@@ -74,6 +74,17 @@ class VllmEngineArgs(BaseModel):
     """Host KV pool (``dynagraph.llm.kv.host_pool``): blocks that leave the engine's cache
     are kept in this much host memory and loaded back for a later request with the same
     prefix instead of recomputed. 0: off. Combined with a NIXL connector if one is set."""
+    kv_compression: str = "none"
+    """How the host KV pool stores blocks (``dynagraph.llm.kv.codec``): ``none``, ``int8``
+    or ``fp8`` (groupwise scaled, ~1.94x more blocks in the same memory), or
+    ``module:Class``. A lossy codec must pass the quality guard at start-up
+    (``dynagraph.llm.kv.quality_guard``) or the worker refuses to start."""
+    kv_compression_max_divergence: float = Field(default=0.05, gt=0.0)
+    """Quality guard: the largest mean |logprob difference| (nats) per generated token
+    allowed between calibration prompts served from the compressed pool and computed."""
+    kv_compression_min_agreement: float = Field(default=0.75, ge=0.0, le=1.0)
+    """Quality guard: the smallest share of calibration prompts whose greedy tokens from
+    the compressed pool must equal the computed ones."""
     enforce_eager: bool = True
     """Skip torch.compile / graph capture (saves 30-70 s of start-up on the CPU)."""
     enable_prefix_caching: bool = True
@@ -110,6 +121,14 @@ class VllmEngineArgs(BaseModel):
     extra_engine_args: dict[str, Any] = Field(default_factory=dict)
     """Any other ``vllm.AsyncEngineArgs`` field, passed through unchecked."""
 
+    @field_validator("kv_compression")
+    @classmethod
+    def _known_codec(cls, value: str) -> str:
+        if value not in ("none", "int8", "fp8") and ":" not in value:
+            raise ValueError(f"unknown kv-compression {value!r}: use none, int8, fp8 or "
+                             "module:Class")
+        return value
+
     @field_validator("kv_events_endpoint", "kv_events_replay_endpoint")
     @classmethod
     def _local_only(cls, value: str | None) -> str | None:
@@ -138,6 +157,7 @@ def kv_transfer_config(args: VllmEngineArgs) -> dict[str, Any] | None:
             "spec_name": "HostPoolSpec",
             "spec_module_path": "dynagraph.llm.kv.host_pool",
             "cpu_bytes_to_use": int(args.kv_offload_gib * 2**30),
+            "codec": args.kv_compression,
         },
     }
     if not args.kv_transfer_config:
@@ -217,6 +237,8 @@ class VllmEngine:
         self._start_seconds = 0.0
         self._in_flight: set[str] = set()
         self._reaper: Reaper | None = None
+        self.guard_report: Any = None
+        """The host pool codec's quality guard report (``kv-compression``), once passed."""
 
     @property
     def started(self) -> bool:
@@ -344,6 +366,8 @@ class VllmEngine:
         self._tracker.set_total(self._num_blocks[0])
         self._tracker.set_max_batched_tokens(
             int(llm.vllm_config.scheduler_config.max_num_batched_tokens or 0))
+        if self.args.kv_offload_gib > 0 and self.args.kv_compression != "none":
+            await self._guard_compression()
         self._start_seconds = time.monotonic() - began
         log.info(
             "vLLM engine ready in %.1fs: model %s, %d KV blocks of %d tokens, context %d",
@@ -353,6 +377,22 @@ class VllmEngine:
             self.args.block_size,
             self._max_model_len,
         )
+
+    async def _guard_compression(self) -> None:
+        """Run the lossy pool codec's quality guard; refuse to start if it fails."""
+        from dynagraph.llm.kv.quality_guard import calibrate, check
+
+        progress.report("loading", f"kv-compression {self.args.kv_compression}: quality guard")
+        try:
+            report = await calibrate(self, self.args.kv_compression, self.args.block_size,
+                                     self._llm.reset_prefix_cache)
+            log.info("quality guard: %s", report.summary())
+            check(report, max_divergence=self.args.kv_compression_max_divergence,
+                  min_agreement=self.args.kv_compression_min_agreement)
+        except BaseException:
+            await self.shutdown()
+            raise
+        self.guard_report = report
 
     async def shutdown(self) -> None:
         llm, self._llm = self._llm, None

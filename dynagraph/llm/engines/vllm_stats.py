@@ -162,7 +162,7 @@ _LOAD_BYTES = "vllm:kv_offload_load_bytes"
 _LOAD_TIME = "vllm:kv_offload_load_time"
 _STORE_BYTES = "vllm:kv_offload_store_bytes"
 _USAGE = "vllm:kv_offload_cpu_cache_usage_perc"
-_EVICTIONS = "dynagraph:kv_pool_evictions"  # dynagraph.llm.kv.host_pool.EVICTIONS
+_EVICTIONS = "vllm:kv_offload_pool_evictions"  # dynagraph.llm.kv.host_pool.EVICTIONS
 _POOL_KEYS = (_LOAD_BYTES, _LOAD_TIME, _STORE_BYTES, _USAGE, _EVICTIONS)
 
 

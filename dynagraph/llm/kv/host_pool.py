@@ -47,9 +47,14 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
-EVICTIONS = "dynagraph:kv_pool_evictions"
+from dynagraph.llm.kv.codec import KvCodec
+from dynagraph.llm.kv.codec import codec as make_codec
+
+EVICTIONS = "vllm:kv_offload_pool_evictions"
 """Connector stats counter: blocks the pool dropped to make room (read by
-``dynagraph.llm.engines.vllm_stats``)."""
+``dynagraph.llm.engines.vllm_stats``). Ours, but named under ``vllm:``: vLLM's own
+Prometheus logger (``log-stats``) registers every counter a spec declares and, when an
+engine shuts down, unregisters only the ``vllm`` ones."""
 
 
 class CountingManager(CPUOffloadingManager):
@@ -76,21 +81,30 @@ class CountingManager(CPUOffloadingManager):
 
 
 class HostPoolWorker(OffloadingWorker):
-    """Copies whole blocks between the engine's KV tensors and a same-shaped pool."""
+    """Copies whole blocks between the engine's KV tensors and a pool of the same rows,
+    or, with a lossy ``codec``, of the rows as the codec encodes them."""
 
-    def __init__(self, kv_caches: CanonicalKVCaches, num_chunks: int) -> None:
+    def __init__(self, kv_caches: CanonicalKVCaches, num_chunks: int,
+                 codec: KvCodec | None = None, dtype: torch.dtype = torch.bfloat16) -> None:
+        self._codec = codec if codec is not None and codec.name != "none" else None
         self._engine: list[torch.Tensor] = []
         self._pool: list[torch.Tensor] = []
         self._unit: list[int] = []  # bytes per element of each tensor's rows as copied
         for t in kv_caches.tensors:
             rows = t.tensor.view(torch.int8)
-            pool = torch.zeros((num_chunks, t.page_size_bytes), dtype=torch.int8)
             unit = 1
-            if t.page_size_bytes % 8 == 0:  # indexed copies of int8 rows run ~5x slower
-                try:
-                    rows, pool, unit = rows.view(torch.int64), pool.view(torch.int64), 8
-                except RuntimeError:  # a row stride or offset not 8-byte aligned
-                    pass
+            if self._codec is not None:
+                rows = rows.view(dtype)
+                unit = rows.element_size()
+                pool = torch.zeros((num_chunks, self._codec.encoded_bytes(rows.shape[1])),
+                                   dtype=torch.uint8)
+            else:
+                pool = torch.zeros((num_chunks, t.page_size_bytes), dtype=torch.int8)
+                if t.page_size_bytes % 8 == 0:  # indexed copies of int8 rows run ~5x slower
+                    try:
+                        rows, pool, unit = rows.view(torch.int64), pool.view(torch.int64), 8
+                    except RuntimeError:  # a row stride or offset not 8-byte aligned
+                        pass
             self._engine.append(rows)
             self._pool.append(pool)
             self._unit.append(unit)
@@ -127,11 +141,19 @@ class HostPoolWorker(OffloadingWorker):
             start += size
             for t_idx, page in group:
                 engine, pool = self._engine[t_idx], self._pool[t_idx]
-                if to_pool:
+                if self._codec is not None:  # whole rows, as the codec packs them
+                    if to_pool:
+                        pool[p_ids] = self._codec.encode(engine[e_ids])
+                    else:
+                        engine[e_ids] = self._codec.decode(pool[p_ids], engine.shape[1],
+                                                           engine.dtype)
+                    moved += size * pool.shape[1]
+                elif to_pool:
                     pool[p_ids, :page] = engine[e_ids, :page]
+                    moved += size * page * self._unit[t_idx]
                 else:
                     engine[e_ids, :page] = pool[p_ids, :page]
-                moved += size * page * self._unit[t_idx]
+                    moved += size * page * self._unit[t_idx]
         self._finished.append(TransferResult(job_id=job_id, success=True, transfer_size=moved,
                                              transfer_time=time.perf_counter() - began))
         return True
@@ -164,6 +186,16 @@ class HostPoolSpec(CPUOffloadingSpec):
         if self.blocks_per_chunk != 1:
             raise ValueError("the host KV pool stores one engine block per chunk; "
                              "leave block_size / blocks_per_chunk out of its extra config")
+        self.codec = make_codec(str(self.extra_config.get("codec", "none")))
+        self.dtype = getattr(torch, config.model.dtype, None)
+        if self.codec.name != "none":
+            if self.dtype not in (torch.bfloat16, torch.float16):
+                raise ValueError(f"kv-compression {self.codec.name} needs a 16-bit KV cache, "
+                                 f"not {config.model.dtype}")
+            per_block = config.worker_kv_bytes_per_block * max(config.parallel.world_size, 1)
+            if per_block > 0:  # the same memory holds more encoded blocks
+                encoded = self.codec.encoded_bytes(per_block // 2)
+                self.num_chunks = int(self.extra_config["cpu_bytes_to_use"]) // encoded
 
     @classmethod
     def build_metric_definitions(
@@ -189,6 +221,8 @@ class HostPoolSpec(CPUOffloadingSpec):
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None:
-            self._worker = HostPoolWorker(kv_caches, self.num_chunks)  # type: ignore[assignment]
+            self._worker = HostPoolWorker(  # type: ignore[assignment]
+                kv_caches, self.num_chunks, self.codec,
+                self.dtype if isinstance(self.dtype, torch.dtype) else torch.bfloat16)
         return self._worker  # type: ignore[return-value]
 

@@ -100,11 +100,11 @@ def _offload(**series: float) -> dict[str, object]:
 
 def test_pool_counters_read_the_offloading_payload_also_inside_a_multi_connector() -> None:
     step = _offload(**{"vllm:kv_offload_load_bytes": 4096, "vllm:kv_offload_load_time": 0.5,
-                       "dynagraph:kv_pool_evictions": 3,
+                       "vllm:kv_offload_pool_evictions": 3,
                        "vllm:kv_offload_cpu_cache_usage_perc": 0.25,
                        "vllm:kv_offload_lookup_sync_delay_seconds": 9})
     want = {"vllm:kv_offload_load_bytes": 4096.0, "vllm:kv_offload_load_time": 0.5,
-            "dynagraph:kv_pool_evictions": 3.0, "vllm:kv_offload_cpu_cache_usage_perc": 0.25}
+            "vllm:kv_offload_pool_evictions": 3.0, "vllm:kv_offload_cpu_cache_usage_perc": 0.25}
     assert pool_counters(step) == want
     assert pool_counters({"NixlConnector": NIXL, "OffloadingConnector": step}) == want
     assert pool_counters(NIXL) == {}
@@ -116,7 +116,7 @@ def test_tracker_adds_pool_steps_to_the_load() -> None:
     tracker.kv_connector_stats(_offload(**{"vllm:kv_offload_store_bytes": 100}), None)
     tracker.kv_connector_stats(_offload(**{"vllm:kv_offload_load_bytes": 40,
                                            "vllm:kv_offload_load_time": 0.25,
-                                           "dynagraph:kv_pool_evictions": 2}), lookups)
+                                           "vllm:kv_offload_pool_evictions": 2}), lookups)
     tracker.kv_connector_stats(_offload(**{"vllm:kv_offload_store_bytes": 1,
                                            "vllm:kv_offload_cpu_cache_usage_perc": 0.5}), None)
     load = tracker.get()
