@@ -1,11 +1,13 @@
 """Host KV pool (``kv-offload-gib``): second-round TTFT of prefixes the engine had to evict.
 
     python benchmarks/kv_offload.py [--prefixes 8] [--prefix-tokens 1500] [--blocks 160]
-        [--pool-gib 1] [--rounds 2]
+        [--settings off,1,1:int8,0.012,0.012:int8] [--rounds 2]
 
 Serves ``graphs.agg`` (``configs/agg.yaml``: one real vLLM worker on the tiny model) as
 users run it, with the engine's cache cut to ``--blocks`` blocks of 32 tokens
-(``num-gpu-blocks-override``), once without a pool and once with ``kv-offload-gib``.
+(``num-gpu-blocks-override``), once per setting: ``off`` (no pool), ``GIB`` (a pool of
+that size, ``kv-offload-gib``) or ``GIB:CODEC`` (that pool storing blocks compressed,
+``kv-compression``; a pool too small for every prefix shows what compression buys).
 Sends ``--prefixes`` distinct prompts of ``--prefix-tokens`` random token ids one after
 the other, ``--rounds`` times (streamed ``/v1/completions``, 4 output tokens): the
 prefixes together are larger than the engine's cache, so by the time a prefix comes
@@ -75,8 +77,10 @@ async def one_round(url: str, prompts: list[list[int]], rnd: int) -> dict[str, A
             "errors": errors}
 
 
-def run_setting(pool_gib: float, args: argparse.Namespace, infra: dict[str, Any],
+def run_setting(setting: str, args: argparse.Namespace, infra: dict[str, Any],
                 model_dir: Path, prompts: list[list[int]]) -> dict[str, Any]:
+    gib, _, codec = setting.partition(":")
+    pool_gib = 0.0 if gib == "off" else float(gib)
     port = free_port()
     env = {**os.environ, "ETCD_ENDPOINTS": infra["etcd"].url, "NATS_SERVER": infra["nats"].url,
            "PYTHONUNBUFFERED": "1"}
@@ -84,7 +88,9 @@ def run_setting(pool_gib: float, args: argparse.Namespace, infra: dict[str, Any]
            "-f", "configs/agg.yaml", f"--Frontend.port={port}", f"--Common.model={model_dir}",
            f"--VllmWorker.num-gpu-blocks-override={args.blocks}",
            f"--VllmWorker.kv-offload-gib={pool_gib}", "--ready-timeout=420"]
-    server = ManagedProcess(cmd, env, name=f"agg-pool-{pool_gib}")
+    if codec:
+        cmd.append(f"--VllmWorker.kv-compression={codec}")
+    server = ManagedProcess(cmd, env, name=f"agg-pool-{setting}")
     try:
         banner, _ = server.wait_line(lambda s: "VllmWorker[0] pid=" in s, 420)
         m = re.search(r"metrics=(\S+)", banner)
@@ -100,9 +106,10 @@ def run_setting(pool_gib: float, args: argparse.Namespace, infra: dict[str, Any]
             time.sleep(0.5)  # the last step's stats reach the worker's metrics after it
             after = pool_metrics(m.group(1))
             out["worker"] = {k: after[k] - before[k] for k in after}
-            log.info("pool %s GiB round %d: %s", pool_gib, rnd, out)
+            log.info("setting %s round %d: %s", setting, rnd, out)
             rounds.append(out)
-        return {"pool_gib": pool_gib, "rounds": rounds, "load_average_before": load0,
+        return {"setting": setting, "pool_gib": pool_gib, "codec": codec or "none",
+                "rounds": rounds, "load_average_before": load0,
                 "load_average_after": load_average(), "command": " ".join(cmd[1:])}
     finally:
         server.stop()
@@ -115,7 +122,7 @@ def markdown(result: dict[str, Any]) -> str:
         "# Host KV pool: TTFT of prefixes that came back after the engine evicted them",
         "",
         f"`python benchmarks/kv_offload.py --prefixes {a['prefixes']} --prefix-tokens "
-        f"{a['prefix_tokens']} --blocks {a['blocks']} --pool-gib {a['pool_gib']} --rounds "
+        f"{a['prefix_tokens']} --blocks {a['blocks']} --settings {a['settings']} --rounds "
         f"{a['rounds']}` at {result['when']}, {result['machine']['cpus']} CPUs, Python "
         f"{result['machine']['python']}.",
         "",
@@ -133,7 +140,7 @@ def markdown(result: dict[str, Any]) -> str:
             w = r["worker"]
             t = r["ttft_ms"]
             rows.append({
-                "pool GiB": run["pool_gib"], "round": r["round"],
+                "setting": run["setting"], "round": r["round"],
                 "TTFT mean / p50 / max (ms)": (f"{t.get('mean', float('nan')):.1f} / "
                                                f"{t.get('p50', float('nan')):.1f} / "
                                                f"{t.get('max', float('nan')):.1f}"),
@@ -145,13 +152,14 @@ def markdown(result: dict[str, Any]) -> str:
                 "pool evictions": int(w["evictions"]),
             })
     lines += markdown_table(list(rows[0]), rows)
-    last = {run["pool_gib"]: run["rounds"][-1]["ttft_ms"].get("mean") for run in runs}
-    off, on = last.get(0.0), next((v for k, v in last.items() if k > 0), None)
-    if off and on:
-        lines += ["", f"Last round, mean TTFT with the pool / without: **{on / off:.2f}x** "
-                      "(goal <= 0.6x)."]
+    last = {run["setting"]: run["rounds"][-1]["ttft_ms"].get("mean") for run in runs}
+    off = last.get("off")
+    if off:
+        lines += ["", "Last round, mean TTFT against `off` (goal <= 0.6x with a pool): "
+                  + ", ".join(f"`{k}` **{v / off:.2f}x**" for k, v in last.items()
+                              if k != "off" and v) + "."]
     lines += ["", "Load average before / after each setting: " + ", ".join(
-        f"{r['pool_gib']} GiB {r['load_average_before']:.1f} / {r['load_average_after']:.1f}"
+        f"`{r['setting']}` {r['load_average_before']:.1f} / {r['load_average_after']:.1f}"
         for r in runs), ""]
     return "\n".join(lines) + "\n"
 
@@ -162,7 +170,8 @@ def main() -> int:
     p.add_argument("--prefixes", type=int, default=8)
     p.add_argument("--prefix-tokens", type=int, default=1500)
     p.add_argument("--blocks", type=int, default=160)
-    p.add_argument("--pool-gib", type=float, default=1.0)
+    p.add_argument("--settings", default="off,1,1:int8,0.012,0.012:int8",
+                   help="comma-separated: off | GIB | GIB:CODEC")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--name", default="kv_offload")
@@ -173,8 +182,8 @@ def main() -> int:
                for _ in range(args.prefixes)]
     runs = []
     with local_infra(etcd=True, nats=True) as infra:
-        for gib in (0.0, args.pool_gib):
-            runs.append(run_setting(gib, args, infra, model_dir, prompts))
+        for setting in args.settings.split(","):
+            runs.append(run_setting(setting, args, infra, model_dir, prompts))
     publish(args.name, {"args": vars(args), "runs": runs,
                         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}, markdown)
     errors = sum(len(r["errors"]) for run in runs for r in run["rounds"])

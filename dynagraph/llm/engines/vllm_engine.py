@@ -163,8 +163,14 @@ def kv_transfer_config(args: VllmEngineArgs) -> dict[str, Any] | None:
     if not args.kv_transfer_config:
         return pool
     given = dict(args.kv_transfer_config)
-    return {"kv_connector": "MultiConnector", "kv_role": given.get("kv_role", "kv_both"),
-            "kv_connector_extra_config": {"connectors": [given, pool]}}
+    # vLLM 0.32's MultiConnector passes engine_id to each child besides the child's own
+    # keys (TypeError when a child has one): it goes on the parent, children inherit it.
+    engine_id = given.pop("engine_id", None)
+    multi = {"kv_connector": "MultiConnector", "kv_role": given.get("kv_role", "kv_both"),
+             "kv_connector_extra_config": {"connectors": [given, pool]}}
+    if engine_id is not None:
+        multi["engine_id"] = engine_id
+    return multi
 
 
 def spread_bind(value: str | None, worker_index: int, cpus: int) -> str | None:

@@ -75,6 +75,10 @@ def test_host_pool_alone_or_under_a_multi_connector_with_nixl() -> None:
     both = kv_transfer_config(a.model_copy(update={"kv_transfer_config": nixl}))
     assert both is not None and both["kv_connector"] == "MultiConnector"
     assert both["kv_connector_extra_config"]["connectors"] == [nixl, pool]
+    named = kv_transfer_config(a.model_copy(update={"kv_transfer_config": {
+        **nixl, "engine_id": "decode-1"}}))
+    assert named is not None and named["engine_id"] == "decode-1"  # children inherit it
+    assert named["kv_connector_extra_config"]["connectors"] == [nixl, pool]
 
 
 def test_engine_args_extra_may_not_shadow_typed_keys() -> None:
