@@ -199,7 +199,8 @@ class Router(Component):
     def _on_kv(self, w: int, item: Any) -> None:
         self.state.apply(w, RelayBatch.from_wire(item))
         self.metrics.kv_event_batch(_label(w))
-        self.metrics.index_blocks(_label(w), self.state.index.num_blocks(w))
+        self.metrics.index_blocks(_label(w), self.state.index.num_blocks(w),
+                                  self.state.pooled.num_blocks(w))
 
     def _on_load(self, w: int, item: Any) -> None:
         self.state.set_load(w, EngineLoad.model_validate(item), time.monotonic())
