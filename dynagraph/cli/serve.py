@@ -125,7 +125,11 @@ class Supervisor(RuntimeScaling):
             spec_path = self._write_spec(env)
             secret = {SECRET_ENV: await self._graph_secret(discovery)}  # not in the spec
             self.startup = StartupOutput(self.target, self.started, self.opts.log_level)
-            self._child_base_env = {**env, **secret,
+            # The components' temporary files (vLLM's IPC sockets among them, which it
+            # leaves behind) go to a directory removed with this run's.
+            private_tmp = os.path.join(self._tmp.name, "tmp")
+            os.makedirs(private_tmp, exist_ok=True)
+            self._child_base_env = {**env, **secret, "TMPDIR": private_tmp,
                                     DRAIN_GRACE_ENV: str(self.opts.drain_grace),
                                     "DYNAMO_HOST": self.opts.host,
                                     serve_part.SERVE_ID_ENV: self.serve_id}

@@ -59,6 +59,14 @@ class GraphProbe:
             out.append(float(m.group(1)))
         return out[0], out[1]
 
+    async def router_metric(self, name: str) -> dict[str, float]:
+        """A per-worker gauge of the Router's /metrics: worker label -> value."""
+        recs = await self.discovery.get_prefix(f"/{NS}/instances/Router/")
+        assert recs, "no Router process registered"
+        text = (await self.http.get(f"http://{next(iter(recs.values()))['metrics']}/metrics")).text
+        return {m.group(1): float(m.group(2)) for m in re.finditer(
+            rf'^{name}\{{worker="([0-9a-f]+)"\}} (\S+)$', text, re.M)}
+
     async def router_address(self) -> str:
         recs = await self.discovery.get_prefix(f"/{NS}/components/Router/generate/")
         assert recs, "no Router registered"

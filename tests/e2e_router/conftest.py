@@ -22,6 +22,8 @@ from tests.support.serve import ServeProcess, graph_env, served
 from ._probe import GraphProbe
 
 MAX_MODEL_LEN = 1024
+POOL_GIB = 0.05
+"""Each worker keeps a small host KV pool (``kv-offload-gib``), as users may."""
 MODEL = "tiny-llama"
 
 
@@ -32,6 +34,7 @@ def router_graph(model_dir: Path, etcd_url: str, nats_url: str) -> Iterator[Serv
     with served(["graphs.agg_router:Frontend", "-f", "configs/agg_router.yaml",
                  "--Frontend.port=0", f"--Common.model={model_dir}",
                  f"--Common.max-model-len={MAX_MODEL_LEN}", "--VllmWorker.max-num-seqs=8",
+                 f"--VllmWorker.kv-offload-gib={POOL_GIB}",
                  "--Frontend.max-inflight-requests=48", "--Frontend.max-queued-requests=48",
                  "--Frontend.queue-timeout=5"],
                 graph_env(etcd_url, nats_url), clean_exit=False) as sp:

@@ -87,6 +87,28 @@ async def test_shared_prefix_follows_the_cache_and_hashes_match_vllm(
         assert hits >= 8 * BLOCK, f"prefix-cache hits rose by {hits} only"
 
 
+async def test_pooled_blocks_reach_the_router_as_their_own_tier(
+        router_url: str, probe: GraphProbe) -> None:
+    """vLLM's offloading connector publishes the blocks it pools (medium CPU); the
+    worker's relay forwards them apart from the engine's, and the Router indexes them."""
+    await probe.wait_workers(2)
+    before = await snapshot(probe)
+    prompt = tokens(6 * BLOCK + 3)
+    await complete(router_url, prompt)
+    holder, _ = await served_by(probe, before)
+    # vLLM stores a request's blocks at the engine's next step: one more request with the
+    # same first block (so the Router sends it to the same worker) makes one
+    await complete(router_url, prompt[:BLOCK] + tokens(5))
+    label = f"{holder:x}"
+    deadline = time.monotonic() + 20
+    while True:
+        pooled = await probe.router_metric("dynamo_router_index_pooled_blocks")
+        if pooled.get(label, 0) >= 6 or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.1)
+    assert pooled.get(label, 0) >= 6, f"the Router's pooled index: {pooled}"
+
+
 async def test_concurrent_new_prefixes_spread_over_the_workers(
         router_url: str, probe: GraphProbe) -> None:
     """Two unrelated prompts at once: the first counts as in-flight load on its worker
