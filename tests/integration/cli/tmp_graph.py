@@ -3,6 +3,7 @@ to the file named by ``TMPDIR_REPORT``."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import tempfile
 from collections.abc import AsyncIterator
@@ -16,7 +17,8 @@ from dynagraph.sdk import async_on_start, endpoint, service
 class Reporter:
     @async_on_start
     async def start(self) -> None:
-        Path(os.environ["TMPDIR_REPORT"]).write_text(tempfile.gettempdir())
+        report = Path(os.environ["TMPDIR_REPORT"])
+        await asyncio.to_thread(report.write_text, tempfile.gettempdir())
 
     @endpoint()
     async def generate(self, request: dict[str, Any]) -> AsyncIterator[int]:
