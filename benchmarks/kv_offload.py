@@ -87,7 +87,11 @@ def run_setting(setting: str, args: argparse.Namespace, infra: dict[str, Any],
     cmd = [sys.executable, "-m", "dynagraph.cli.main", "serve", "graphs.agg:Frontend",
            "-f", "configs/agg.yaml", f"--Frontend.port={port}", f"--Common.model={model_dir}",
            f"--VllmWorker.num-gpu-blocks-override={args.blocks}",
-           f"--VllmWorker.kv-offload-gib={pool_gib}", "--ready-timeout=420"]
+           f"--VllmWorker.kv-offload-gib={pool_gib}", "--ready-timeout=420",
+           # vLLM reserves one more core for its scheduler when any KV connector is set,
+           # which changes the engine's OpenMP threads: the same reservation in every
+           # setting keeps the computing engine the same (1 core of 2 here)
+           f"--VllmWorker.cpu-reserved-cores={args.reserved_cores}"]
     if codec:
         cmd.append(f"--VllmWorker.kv-compression={codec}")
     server = ManagedProcess(cmd, env, name=f"agg-pool-{setting}")
@@ -174,6 +178,8 @@ def main() -> int:
                    help="comma-separated: off | GIB | GIB:CODEC")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--reserved-cores", type=int, default=1,
+                   help="VllmWorker.cpu-reserved-cores in every setting")
     p.add_argument("--name", default="kv_offload")
     args = p.parse_args()
     model_dir = ensure_model(REPO / "models" / "tiny-llama")
