@@ -20,7 +20,8 @@ def test_router_index_benchmark_runs_small() -> None:
     sys.modules[spec.name] = module
     try:
         spec.loader.exec_module(module)
-        args = ["--workers", "4", "--blocks-per-worker", "5000", "--queries", "50", "--no-write"]
+        args = ["--rounds", "2", "--workers", "4", "--blocks-per-worker", "5000"]
+        args += ["--queries", "50", "--no-write"]
         assert module.main(args) == 0
     finally:
         sys.modules.pop(spec.name, None)
