@@ -1,20 +1,36 @@
 """The host KV pool's copies and eviction count, on plain tensors: no engine, but vLLM
-is imported (~15 s), hence the ``vllm`` marker."""
+is imported (~15 s, inside the tests so that collecting the fast set does not pay it),
+hence the ``vllm`` marker."""
 
 from __future__ import annotations
 
+import importlib
+from types import ModuleType
+from typing import Any
+
 import pytest
 import torch
-import vllm.v1.kv_offload.base as base
-import vllm.v1.kv_offload.cpu.common as cpu_common
-
-from dynagraph.llm.kv.host_pool import EVICTIONS, CountingManager, HostPoolWorker
 
 pytestmark = pytest.mark.vllm
 
 
-def caches(pages: tuple[int, ...],
-           blocks: int = 8) -> tuple[list[torch.Tensor], base.CanonicalKVCaches]:
+@pytest.fixture(scope="module")
+def base() -> ModuleType:
+    return importlib.import_module("vllm.v1.kv_offload.base")
+
+
+@pytest.fixture(scope="module")
+def cpu_common() -> ModuleType:
+    return importlib.import_module("vllm.v1.kv_offload.cpu.common")
+
+
+@pytest.fixture(scope="module")
+def pool() -> ModuleType:
+    return importlib.import_module("dynagraph.llm.kv.host_pool")
+
+
+def caches(base: ModuleType, pages: tuple[int, ...],
+           blocks: int = 8) -> tuple[list[torch.Tensor], Any]:
     """Engine tensors of ``blocks`` rows filled with distinct bytes, as one KV group."""
     tensors = [torch.randint(-128, 127, (blocks, p), dtype=torch.int8) for p in pages]
     canonical = base.CanonicalKVCaches(
@@ -26,10 +42,11 @@ def caches(pages: tuple[int, ...],
 
 @pytest.mark.parametrize("pages", [(64, 128), (12, 20)], ids=["int64-rows", "int8-rows"])
 def test_blocks_stored_then_loaded_elsewhere_come_back_byte_for_byte(
-        pages: tuple[int, ...]) -> None:
-    tensors, canonical = caches(pages)
+        pages: tuple[int, ...], base: ModuleType, cpu_common: ModuleType,
+        pool: ModuleType) -> None:
+    tensors, canonical = caches(base, pages)
     before = [t.clone() for t in tensors]
-    worker = HostPoolWorker(canonical, num_chunks=6)
+    worker = pool.HostPoolWorker(canonical, num_chunks=6)
     assert worker.pool_bytes == 6 * sum(pages)
     store = worker.submit_store(7, base.GPULoadStoreSpec([1, 3], [2], [0]),
                                 cpu_common.CPULoadStoreSpec([5, 0]))
@@ -47,8 +64,8 @@ def test_blocks_stored_then_loaded_elsewhere_come_back_byte_for_byte(
     assert worker.get_finished() == []
 
 
-def test_the_manager_counts_what_it_evicts() -> None:
-    manager = CountingManager(num_chunks=2, enable_events=True)
+def test_the_manager_counts_what_it_evicts(base: ModuleType, pool: ModuleType) -> None:
+    manager = pool.CountingManager(num_chunks=2, enable_events=True)
     ctx = base.ReqContext(req_id="r")
     manager.on_new_request(ctx)
     keys = [base.make_offload_key(bytes([i]) * 8, 0) for i in range(4)]
@@ -57,6 +74,6 @@ def test_the_manager_counts_what_it_evicts() -> None:
         assert out is not None
         manager.complete_store([key], ctx)
     stats = manager.get_stats()
-    assert stats is not None and stats.data["data"][EVICTIONS][()] == 2
+    assert stats is not None and stats.data["data"][pool.EVICTIONS][()] == 2
     again = manager.get_stats()
-    assert again is None or EVICTIONS not in again.data["data"]
+    assert again is None or pool.EVICTIONS not in again.data["data"]
