@@ -10,6 +10,39 @@ from dynagraph.llm.router.index import IndexStats, PrefixIndex
 W1, W2, W3 = 0x7F3A_0000_0000_0001, 0x7F3A_0000_0000_0002, 0x7F3A_0000_0000_0003
 
 
+def reference_matches(held: dict[int, set[int]], q: list[int]) -> dict[int, int]:
+    """The reference model's answer: each worker's count of leading query blocks held."""
+    expected = {}
+    for wid, blocks in held.items():
+        k = 0
+        while k < len(q) and q[k] in blocks:
+            k += 1
+        if k:
+            expected[wid] = k
+    return expected
+
+
+def lose(idx: PrefixIndex, held: dict[int, set[int]], w: int, drop: list[int] | None,
+         forget: bool = False) -> None:
+    """Worker ``w`` evicts ``drop``, or (None) clears its cache, or is removed (``forget``),
+    in the index and in the reference model alike."""
+    if drop is not None:
+        idx.apply_removed(w, drop)
+        held.get(w, set()).difference_update(drop)
+    elif forget:
+        idx.remove_worker(w)
+        held.pop(w, None)
+    else:
+        idx.clear_worker(w)
+        held[w] = set()
+
+
+def assert_holdings(idx: PrefixIndex, held: dict[int, set[int]]) -> None:
+    for w, blocks in held.items():
+        assert idx.num_blocks(w) == len(blocks)
+        assert idx.worker_blocks(w) == blocks
+
+
 def test_empty_index() -> None:
     idx = PrefixIndex()
     assert idx.find_matches([]) == {}
@@ -146,28 +179,13 @@ def test_many_workers_against_a_reference_model() -> None:
             idx.apply_stored(w, None, chain[:n])
             held.setdefault(w, set()).update(chain[:n])
         elif action < 0.95:
-            drop = rng.sample(chain, 2)
-            idx.apply_removed(w, drop)
-            held.get(w, set()).difference_update(drop)
-        elif action < 0.98:
-            idx.clear_worker(w)
-            held[w] = set()
+            lose(idx, held, w, rng.sample(chain, 2))
         else:
-            idx.remove_worker(w)
-            held.pop(w, None)
+            lose(idx, held, w, None, forget=action >= 0.98)
         if step % 50 == 0:
             for q in chains:
-                expected = {}
-                for wid, blocks in held.items():
-                    k = 0
-                    while k < len(q) and q[k] in blocks:
-                        k += 1
-                    if k:
-                        expected[wid] = k
-                assert idx.find_matches(q) == expected
-    for w, blocks in held.items():
-        assert idx.num_blocks(w) == len(blocks)
-        assert idx.worker_blocks(w) == blocks
+                assert idx.find_matches(q) == reference_matches(held, q)
+    assert_holdings(idx, held)
     assert idx.stats().entries == sum(len(b) for b in held.values())
 
 
@@ -306,28 +324,14 @@ def test_chains_branches_and_evictions_against_a_reference_model(seed: int) -> N
                 drop = chain[s : s + rng.randint(1, 30)]
             else:
                 drop = rng.sample(chain, min(len(chain), 4))
-            idx.apply_removed(w, drop)
-            held.get(w, set()).difference_update(drop)
-        elif action < 0.98:
-            idx.clear_worker(w)
-            held[w] = set()
+            lose(idx, held, w, drop)
         else:
-            idx.remove_worker(w)
-            held.pop(w, None)
+            lose(idx, held, w, None, forget=action >= 0.98)
         if step % 30 == 0:
             for q in rng.sample(chains, 4):
                 q = q[: rng.randint(1, len(q))] + [new_hash()]
-                expected = {}
-                for wid, blocks in held.items():
-                    k = 0
-                    while k < len(q) and q[k] in blocks:
-                        k += 1
-                    if k:
-                        expected[wid] = k
-                assert idx.find_matches(q) == expected
-    for w, blocks in held.items():
-        assert idx.num_blocks(w) == len(blocks)
-        assert idx.worker_blocks(w) == blocks
+                assert idx.find_matches(q) == reference_matches(held, q)
+    assert_holdings(idx, held)
     assert idx.stats().unique_blocks == len(set().union(*held.values()))
 
 
