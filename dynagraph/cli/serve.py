@@ -85,6 +85,21 @@ class ServeOptions:
     """Start only these components (``--service-name``); empty: the whole graph."""
 
 
+IPC_PATH_MAX = 107
+"""Longest unix socket path (``sockaddr_un.sun_path``)."""
+IPC_NAME_LEN = 37
+"""What vLLM appends to the temp dir for an IPC socket: ``/`` and a uuid4."""
+
+
+def children_tmpdir(base: str | None = None) -> tempfile.TemporaryDirectory[str]:
+    """A short, fresh temp dir for the components, in the current one (``TMPDIR``) or,
+    where a socket path in it would be too long for a unix socket, in ``/tmp``."""
+    base = base if base is not None else tempfile.gettempdir()
+    if len(os.path.join(base, "dg-xxxxxxxx")) + IPC_NAME_LEN > IPC_PATH_MAX:
+        base = "/tmp"
+    return tempfile.TemporaryDirectory(prefix="dg-", dir=base)
+
+
 class Supervisor(RuntimeScaling):
     def __init__(self, target: str, graph: Graph, configs: dict[str, ComponentConfig],
                  options: ServeOptions) -> None:
@@ -97,6 +112,8 @@ class Supervisor(RuntimeScaling):
         self.stopping = asyncio.Event()
         self.exit_code = 0
         self._tmp = tempfile.TemporaryDirectory(prefix="dynamo-serve-")
+        self._children_tmp = children_tmpdir()
+        """The components' TMPDIR: vLLM leaves its IPC sockets there; removed at exit."""
         self.startup: StartupOutput | None = None
         self._child_base_env: dict[str, str] = {}
         self._children_changed = asyncio.Event()
@@ -125,11 +142,7 @@ class Supervisor(RuntimeScaling):
             spec_path = self._write_spec(env)
             secret = {SECRET_ENV: await self._graph_secret(discovery)}  # not in the spec
             self.startup = StartupOutput(self.target, self.started, self.opts.log_level)
-            # The components' temporary files (vLLM's IPC sockets among them, which it
-            # leaves behind) go to a directory removed with this run's.
-            private_tmp = os.path.join(self._tmp.name, "tmp")
-            os.makedirs(private_tmp, exist_ok=True)
-            self._child_base_env = {**env, **secret, "TMPDIR": private_tmp,
+            self._child_base_env = {**env, **secret, "TMPDIR": self._children_tmp.name,
                                     DRAIN_GRACE_ENV: str(self.opts.drain_grace),
                                     "DYNAMO_HOST": self.opts.host,
                                     serve_part.SERVE_ID_ENV: self.serve_id}
@@ -170,6 +183,7 @@ class Supervisor(RuntimeScaling):
             for svc in reversed(self.services):
                 svc.stop()
             self._tmp.cleanup()
+            self._children_tmp.cleanup()
             if state_path is not None:
                 serve_state.remove_state(state_path)
             log.info("stopped in %.2fs", time.monotonic() - t1)

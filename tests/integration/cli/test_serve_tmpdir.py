@@ -20,6 +20,22 @@ def test_components_get_a_private_tmpdir_removed_at_exit(
     with served(["tests.integration.cli.tmp_graph:Reporter"], env, ready_timeout=60):
         private = Path(report.read_text())
         assert private.is_dir()
-        assert private.parent.name.startswith("dynamo-serve-")
-        assert private.parent.parent == Path(tempfile.gettempdir())
-    assert not private.exists() and not private.parent.exists()
+        assert private.name.startswith("dg-")
+        assert private.parent == Path(tempfile.gettempdir())
+    assert not private.exists()
+
+
+def test_a_tmpdir_too_deep_for_unix_sockets_is_replaced_by_one_in_tmp(tmp_path: Path) -> None:
+    from dynagraph.cli.serve import IPC_NAME_LEN, IPC_PATH_MAX, children_tmpdir
+
+    short = children_tmpdir(tempfile.gettempdir())
+    deep = tmp_path / ("d" * 80)
+    deep.mkdir()
+    far = children_tmpdir(str(deep))
+    try:
+        assert Path(short.name).parent == Path(tempfile.gettempdir())
+        assert Path(far.name).parent == Path("/tmp")
+        assert len(far.name) + IPC_NAME_LEN <= IPC_PATH_MAX
+    finally:
+        short.cleanup()
+        far.cleanup()
