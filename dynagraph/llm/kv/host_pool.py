@@ -148,11 +148,11 @@ class HostPoolWorker(OffloadingWorker):
                         engine[e_ids] = self._codec.decode(pool[p_ids], engine.shape[1],
                                                            engine.dtype)
                     moved += size * pool.shape[1]
-                elif to_pool:
-                    pool[p_ids, :page] = engine[e_ids, :page]
-                    moved += size * page * self._unit[t_idx]
                 else:
-                    engine[e_ids, :page] = pool[p_ids, :page]
+                    if to_pool:
+                        pool[p_ids, :page] = engine[e_ids, :page]
+                    else:
+                        engine[e_ids, :page] = pool[p_ids, :page]
                     moved += size * page * self._unit[t_idx]
         self._finished.append(TransferResult(job_id=job_id, success=True, transfer_size=moved,
                                              transfer_time=time.perf_counter() - began))
