@@ -96,7 +96,7 @@ def schedule(args: argparse.Namespace) -> list[tuple[float, str, dict[str, Any]]
 
 
 async def drive(url: str, plan: list[tuple[float, str, dict[str, Any]]]
-                ) -> tuple[list[tuple[str, StreamResult]], float]:
+                ) -> tuple[list[tuple[float, str, StreamResult]], float]:
     import aiohttp
 
     sessions = {cls: aiohttp.ClientSession(
@@ -104,9 +104,9 @@ async def drive(url: str, plan: list[tuple[float, str, dict[str, Any]]]
         connector=aiohttp.TCPConnector(limit=0)) for cls, key in KEYS.items()}
     t0 = time.perf_counter()
 
-    async def one(at: float, cls: str, body: dict[str, Any]) -> tuple[str, StreamResult]:
+    async def one(at: float, cls: str, body: dict[str, Any]) -> tuple[float, str, StreamResult]:
         await asyncio.sleep(max(0.0, at - (time.perf_counter() - t0)))
-        return cls, await stream_request(sessions[cls], f"{url}/v1/completions", body, 300.0)
+        return at, cls, await stream_request(sessions[cls], f"{url}/v1/completions", body, 300.0)
 
     try:
         results = await asyncio.gather(*(one(*p) for p in plan))
@@ -116,10 +116,10 @@ async def drive(url: str, plan: list[tuple[float, str, dict[str, Any]]]
     return list(results), time.perf_counter() - t0
 
 
-def stats(results: list[tuple[str, StreamResult]], wall_s: float) -> dict[str, Any]:
+def stats(results: list[tuple[float, str, StreamResult]], wall_s: float) -> dict[str, Any]:
     out: dict[str, Any] = {"wall_s": round(wall_s, 1)}
     for cls in KEYS:
-        rs = [r for c, r in results if c == cls]
+        rs = [r for _, c, r in results if c == cls]
         ok = [r for r in rs if r.error is None and r.chunk_times]
         ttft = [r.chunk_times[0] * 1000.0 for r in ok]
         shed = [r for r in rs if r.error is not None and r.error.startswith("HTTP 429")]
@@ -139,6 +139,12 @@ def stats(results: list[tuple[str, StreamResult]], wall_s: float) -> dict[str, A
         if shed:
             s["first_shed"] = shed[0].error
         out[cls] = s
+    # Every interactive request as it went (sent at s, TTFT ms or None, error): shows
+    # whether misses come in bursts (a stall of the graph) or spread over the run.
+    out["interactive_samples"] = [
+        [round(at, 3), round(r.chunk_times[0] * 1000.0, 1) if r.chunk_times else None,
+         (r.error or "")[:120]]
+        for at, c, r in results if c == "interactive"]
     return out
 
 

@@ -20,11 +20,13 @@ seconds per decode step, ``C`` prompt tokens per step at most)::
   ``overlap_weight`` (default 1) stays as an override: > 1 favours cache hits more than
   their time is worth (e.g. to keep a prefix on one worker), < 1 favours spreading.
 
-  Extension point for KV held outside the engine (pooled / offloaded blocks, tenants'
-  salted prefixes): ``tiers`` gives, per worker, blocks *beyond* its on-engine prefix
-  that it can load from a named tier instead of computing them, and ``tier_prices`` the
-  seconds to load one block from that tier; such blocks cost their price instead of
-  ``block_size * p`` in ``own``. Nothing publishes tiers yet.
+  KV held outside the engine: ``tiers`` gives, per worker, blocks *beyond* its
+  on-engine prefix that it can load from a named tier instead of computing them, and
+  ``tier_prices`` the seconds to load one block from that tier; such blocks cost their
+  price instead of ``block_size * p`` in ``own``. The Router passes a worker's host KV
+  pool as tier ``pool`` (``RouterState.decide``, priced by its ``pool-block-seconds``).
+  Tenants' salted prefixes need no tier: their hashes carry the salt, so they match
+  only the same tenant's blocks (``RouterState`` looks a caller up under its salt).
 
 ``kv`` with the ``blocks`` cost model: Dynamo's block count, lowest wins::
 
