@@ -1,18 +1,30 @@
 """SLO-aware admission under overload: interactive TTFT attainment with it off and on.
 
-    nice -n 15 python benchmarks/slo_admission.py [--duration 40] [--interactive-rate 2]
-        [--batch-rate 10] [--batch-output 512] [--settings off,on] [--serve-arg=--X.key=v]
+    python benchmarks/slo_admission.py [--duration 40] [--interactive-rate 2]
+        [--batch-rate 10] [--batch-output 512] [--settings off,on] [--engine-nice 19]
+        [--serve-arg=--X.key=v]
+    python benchmarks/slo_admission.py --graph mocker [--workers 4] [--engines 8]
+        [--speed 0.2] ...   # the same at scale, on simulated engines
 
 Serves ``graphs.agg_router`` (``configs/agg_router.yaml``: two real vLLM workers on the
 tiny model, the Router, the Processor in ``router-mode: kv``) once per setting, with a
 tenants file holding an ``interactive`` tenant (TTFT target 1000 ms) and a ``batch``
 tenant. vLLM's priority scheduling is on in both settings (``scheduling-policy:
-priority``), so what differs is only the Processor's ``slo-admission``.
+priority``) and the engines run at ``--engine-nice`` (``VllmWorker.engine-nice``, 19 by
+default: on a 2-core box the Frontend, Processor and Router share the engines' cores and
+must run first), so what differs is only the Processor's ``slo-admission``. Do not run
+it under ``nice``: engine-nice is added to the niceness the graph starts with and stops
+at 19, so a niced run leaves the engines barely below the light processes.
 
 Load: open-loop Poisson arrivals (seeded, the same schedule in both settings) over
 ``--duration`` s: interactive requests (a short prompt, ``--interactive-output`` tokens)
 and batch requests (a longer prompt, ``--batch-output`` tokens, ignore_eos), all
 streamed ``/v1/completions``. The batch rate is chosen to overload the two workers.
+
+``--graph mocker`` serves ``graphs.mocker_router`` (``configs/mocker_router.yaml``) instead:
+``--workers`` processes of ``--engines`` simulated engines (the ``cpu-tiny`` profile at
+``--speed``, with the mocker's own ``priority`` scheduling policy), the same Router,
+Processor, tenants and admission; scale the rates with the engines (see the README).
 
 Reported per setting: interactive TTFT p50/p90/p99 and SLO attainment (the share of
 interactive requests whose first token came within the target; an error counts as a
@@ -64,11 +76,17 @@ def _args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--settings", default="off,on")
     p.add_argument("--admission", default="{enabled: true, delay-at-requests: 4, "
-                   "shed-at-requests: 16, delay-step: 0.25, max-delay: 10}",
+                   "shed-at-requests: 16, delay-step: 0.25, max-delay: 10, delay-at-prefills: 1}",
                    help="the Processor's slo-admission block for the 'on' setting")
+    p.add_argument("--engine-nice", type=int, default=19,
+                   help="VllmWorker.engine-nice in every setting (0: engines at the graph's)")
     p.add_argument("--serve-arg", action="append", default=[], metavar="--Component.key=value",
                    help="an override for dynamo serve in every setting (repeatable), e.g. "
                         "--serve-arg=--VllmWorker.engine-nice=10")
+    p.add_argument("--graph", choices=("vllm", "mocker"), default="vllm")
+    p.add_argument("--workers", type=int, default=4, help="mocker processes (--graph mocker)")
+    p.add_argument("--engines", type=int, default=8, help="engines per mocker process")
+    p.add_argument("--speed", type=float, default=0.2, help="mocker speed factor")
     p.add_argument("--name", default="slo_admission")
     return p.parse_args()
 
@@ -153,11 +171,19 @@ def run_setting(setting: str, args: argparse.Namespace, infra: dict[str, Any], m
     port = free_port()
     env = {**os.environ, "ETCD_ENDPOINTS": infra["etcd"].url, "NATS_SERVER": infra["nats"].url,
            "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "dynagraph.cli.main", "serve", "graphs.agg_router:Frontend",
-           "-f", "configs/agg_router.yaml", f"--Frontend.port={port}",
-           f"--Common.model={model_dir}", "--Common.max-model-len=1024",
-           f"--Frontend.tenants-file={tenants}", "--VllmWorker.scheduling-policy=priority",
-           "--ready-timeout=420"]
+    cmd = [sys.executable, "-m", "dynagraph.cli.main", "serve"]
+    if args.graph == "mocker":
+        cmd += ["graphs.mocker_router:Frontend", "-f", "configs/mocker_router.yaml",
+                "--MockerWorker.scheduling-policy=priority", f"--MockerWorker.speed={args.speed}",
+                f"--MockerWorker.ServiceArgs.workers={args.workers}",
+                f"--MockerWorker.engines-per-process={args.engines}"]
+    else:
+        cmd += ["graphs.agg_router:Frontend", "-f", "configs/agg_router.yaml",
+                "--VllmWorker.scheduling-policy=priority",
+                f"--VllmWorker.engine-nice={args.engine_nice}"]
+    cmd += [f"--Frontend.port={port}", f"--Common.model={model_dir}",
+            "--Common.max-model-len=1024", f"--Frontend.tenants-file={tenants}",
+            "--ready-timeout=420"]
     cmd += args.serve_arg
     if setting == "on":
         cmd.append(f"--Processor.slo-admission={args.admission}")
@@ -177,24 +203,31 @@ def run_setting(setting: str, args: argparse.Namespace, infra: dict[str, Any], m
 
 def markdown(result: dict[str, Any]) -> str:
     a = result["args"]
+    mocker = a.get("graph") == "mocker"
+    what = (f"mocker_router, {a['workers'] * a['engines']} simulated engines (cpu-tiny at "
+            f"speed {a['speed']:g})" if mocker else "agg_router, two real vLLM workers, tiny model")
     lines = [
-        "# SLO-aware admission under overload (agg_router, two real vLLM workers, tiny model)",
+        f"# SLO-aware admission under overload ({what})",
         "",
-        f"Command: `nice -n 15 python benchmarks/slo_admission.py --duration {a['duration']:g} "
+        f"Command: `python benchmarks/slo_admission.py --duration {a['duration']:g} "
         f"--interactive-rate {a['interactive_rate']:g} --batch-rate {a['batch_rate']:g} "
-        f"--batch-output {a['batch_output']}"
+        f"--batch-output {a['batch_output']} --settings {a['settings']} "
+        + (f"--graph mocker --workers {a['workers']} --engines {a['engines']} "
+           f"--speed {a['speed']:g}" if mocker else f"--engine-nice {a.get('engine_nice', 0)}")
         + "".join(f" --serve-arg={x}" for x in a.get("serve_arg") or [])
         + (f" --name {a['name']}" if a.get("name", "slo_admission") != "slo_admission" else "")
         + "`",
         "",
-        "Machine: a **shared 2-core CPU box** (24 GiB, no GPU), run under `nice -n 15`; other "
-        "engineers' jobs ran at the same time (load averages below), so absolute latencies "
-        "are noisy and only the comparison within this run means much.",
+        "Machine: a 2-core CPU box (24 GiB, no GPU) shared by the graph's processes and "
+        "the load generator; load averages below. Absolute latencies are noisy; compare "
+        "within one run.",
         "",
         f"Load: Poisson arrivals over {a['duration']:g} s, interactive {a['interactive_rate']:g}/s "
         f"({a['interactive_output']} output tokens), batch {a['batch_rate']:g}/s "
         f"({a['batch_output']} output tokens, ignore_eos); the same schedule in every setting. "
-        f"vLLM priority scheduling on in both. 'on' = `slo-admission: {a['admission']}`.",
+        ("The mocker's priority scheduling on in every setting. " if mocker else
+         f"vLLM priority scheduling on and engines at engine-nice {a.get('engine_nice', 0)} in "
+         "every setting. ") + f"'on' = `slo-admission: {a['admission']}`.",
         "",
         "| setting | interactive TTFT p50 / p90 / p99 ms | interactive SLO attainment "
         "(TTFT <= 1 s) | batch completed / shed (429) / errors | batch TTFT p50 / p90 ms "

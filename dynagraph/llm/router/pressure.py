@@ -52,8 +52,11 @@ class PressureView:
         out: list[WorkerPressure] = []
         for w in sorted(candidates):
             rep = state.reported.get(w, EngineLoad())
+            queue = state.queues.get(w)
+            prefilling = max(rep.prefilling, queue.prefilling if queue is not None else 0)
             out.append(WorkerPressure(worker_id=w, running=rep.running, waiting=rep.waiting,
                                       inflight=self.inflight.get(w, 0),
                                       kv_usage=round(rep.kv_usage, 4),
-                                      predicted_ttft_s=predicted.get(w)))
+                                      predicted_ttft_s=predicted.get(w),
+                                      prefilling=prefilling))
         return Pressure(workers=out)

@@ -22,11 +22,17 @@ level per signal, the highest of them counting::
     requests = max(running + waiting, inflight)      # reports lag; the Router's count not
     delay  if requests >= delay-at-requests  or kv_usage >= delay-at-kv-usage
               or predicted_ttft >= delay-at-ttft * target
+              or prefilling >= delay-at-prefills
     shed   if requests >= shed-at-requests   or kv_usage >= shed-at-kv-usage
               or predicted_ttft >= shed-at-ttft * target
 
 ``target`` is the tightest TTFT target of the classes that are *not* deferrable (the work
-the admission protects). A deferrable request that is delayed waits ``delay-step`` s and
+the admission protects). ``prefilling`` counts the worker's requests still waiting for
+their first token: an engine step runs every scheduled prefill chunk at once, so a
+protected request that arrives behind a few deferrable prefills waits for all of them
+(measured: interactive misses came in bursts exactly when batch work was admitted);
+``delay-at-prefills: 1`` lets deferrable work start only on a worker with no prefill
+in flight, so a protected request waits behind at most one. A deferrable request that is delayed waits ``delay-step`` s and
 asks again; once it has waited ``max-delay`` s it is shed. A shed request is refused with
 HTTP 429 and ``Retry-After`` (nothing is dropped silently).
 """
@@ -56,6 +62,9 @@ class WorkerPressure(msgspec.Struct, frozen=True, omit_defaults=True):
     kv_usage: float = 0.0
     predicted_ttft_s: float | None = None
     """A new request's predicted seconds to first token there (None: no prediction)."""
+    prefilling: int = 0
+    """Requests there still waiting for their first token (the Router's forecast,
+    corrected by the worker's reports)."""
 
     @property
     def requests(self) -> int:
@@ -101,6 +110,11 @@ class SloAdmissionConfig(ConfigModel):
     """Fraction of the tightest protected TTFT target a predicted TTFT may reach before
     deferrable work waits (used only where the Router predicts TTFT)."""
     shed_at_ttft: float = Field(default=1.0, gt=0.0)
+    delay_at_prefills: int | None = Field(default=1, ge=1)
+    """Requests in prefill on the least loaded worker at which deferrable work waits
+    (null: not a signal). 1 = deferrable work starts only where no prefill is running
+    (``benchmarks/results/slo_admission.md``: the misses that came in bursts when batch
+    work was admitted went away)."""
     delay_step: float = Field(default=0.25, gt=0.0)
     """Seconds between a delayed request's checks."""
     max_delay: float = Field(default=30.0, ge=0.0)
@@ -136,6 +150,7 @@ class Gate(msgspec.Struct, frozen=True, kw_only=True):
     shed_at_ttft: float
     delay_step: float
     max_delay: float
+    delay_at_prefills: int | None = None
 
     def level(self, w: WorkerPressure) -> tuple[int, str]:
         """(0 ok / 1 delay / 2 shed, why) for one worker."""
@@ -162,6 +177,9 @@ class Gate(msgspec.Struct, frozen=True, kw_only=True):
                 checks.append((_SHED, what))
             elif ratio >= self.delay_at_ttft:
                 checks.append((_DELAY, what))
+        if self.delay_at_prefills is not None and w.prefilling >= self.delay_at_prefills:
+            checks.append((_DELAY, f"{w.prefilling} requests in prefill on the least loaded "
+                                   f"worker (delay at {self.delay_at_prefills})"))
         for lvl, why in checks:
             if lvl > found[0]:
                 found = (lvl, why)
@@ -236,7 +254,8 @@ class SloAdmission:
                     delay_at_requests=c.delay_at_requests, shed_at_requests=c.shed_at_requests,
                     delay_at_kv_usage=c.delay_at_kv_usage, shed_at_kv_usage=c.shed_at_kv_usage,
                     delay_at_ttft=c.delay_at_ttft, shed_at_ttft=c.shed_at_ttft,
-                    delay_step=c.delay_step, max_delay=c.max_delay)
+                    delay_step=c.delay_step, max_delay=c.max_delay,
+                    delay_at_prefills=c.delay_at_prefills)
 
     def decide(self, pressure: Pressure | None, slo_class: str, waited_s: float = 0.0
                ) -> Verdict:

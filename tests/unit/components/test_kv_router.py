@@ -329,7 +329,8 @@ async def test_admission_is_judged_and_counted_in_one_step() -> None:
     from dynagraph.llm.tenants.slo_admission import SloAdmission, SloAdmissionConfig
 
     gate = SloAdmission(SloAdmissionConfig(enabled=True, delay_at_requests=2,
-                                           shed_at_requests=9, delay_step=0.1),
+                                           shed_at_requests=9, delay_step=0.1,
+                                           delay_at_prefills=None),  # counts, not prefills
                         default_slo_classes()).gate("batch")
     store, fake = MemoryStore(), FakeWorkers()
     w = (await _worker(store)).instance_id
@@ -348,6 +349,18 @@ async def test_admission_is_judged_and_counted_in_one_step() -> None:
         assert router.pressure.inflight == {} and router.state.inflight[w] == {}
     finally:
         await router.stop()
+
+
+def test_pressure_counts_prefills_from_the_forecast_and_the_report() -> None:
+    from dynagraph.llm.router.pressure import PressureView
+
+    s, view = state_with(A, B), PressureView()
+    s.begin(A, [], key=1, uncached_tokens=3000, now=0.0)  # forecast: still in prefill
+    s.set_load(B, EngineLoad(kv_blocks_total=1000, running=2, prefilling=2))  # report says 2
+    got = {p.worker_id: p.prefilling for p in view.summary(s).workers}
+    assert got == {A: 1, B: 2}
+    s.end(A, [], key=1)
+    assert {p.worker_id: p.prefilling for p in view.summary(s).workers} == {A: 0, B: 2}
 
 
 def test_the_slo_class_scales_the_overlap_weight() -> None:

@@ -22,11 +22,12 @@ vLLM                           mocker
 ``Scheduler.schedule``         ``Scheduler.step``: running first, then waiting (FCFS),
                                token budget ``max_num_batched_tokens``, ``max_num_seqs``,
                                chunked prefill, full-prompt admission check
-                               (``scheduler_reserve_full_isl``), watermark; no priority
-                               policy, no ``long_prefill_token_threshold``, no spec
+                               (``scheduler_reserve_full_isl``), watermark, ``priority``
+                               policy; no ``long_prefill_token_threshold``, no spec
                                decode, no async scheduling
 ``allocate_slots`` / preempt   ``KvBlockManager.allocate``; on failure the last running
-                               request is preempted (recompute), as vLLM v1
+                               request (``priority``: the lowest-priority one) is
+                               preempted (recompute), as vLLM v1
 ``BlockPool``                  ``KvBlockManager``: null block 0, ref counts, free queue
                                (uncached blocks reused first, cached ones LRU), duplicate
                                hashes allowed, ``BlockStored`` at allocation of the

@@ -32,6 +32,9 @@ class MockerEngineArgs(BaseModel):
     """Tokens per step; longer prompts are prefilled in chunks (vLLM: chunked prefill)."""
     max_model_len: int = Field(default=8192, ge=2)
     enable_prefix_caching: bool = True
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    """As vLLM's: ``priority`` serves requests by their SLO class's priority (lower
+    first) and preempts the lowest-priority running request when blocks run out."""
     watermark: float = Field(default=0.0, ge=0.0, lt=1.0)
     speed: float = Field(default=1.0, gt=0)
     """Speed factor: every simulated duration (steps, transfers, leases) is divided by it."""

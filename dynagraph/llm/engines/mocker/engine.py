@@ -161,6 +161,7 @@ class MockerEngine:
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             enable_prefix_caching=args.enable_prefix_caching, watermark=args.watermark,
             engine_id=self.engine_id, emit_events=on_kv_events is not None,
+            policy=args.scheduling_policy,
         ))
         self.on_kv_events = on_kv_events
         self.registry = registry if registry is not None else process_registry()
@@ -306,6 +307,7 @@ class MockerEngine:
             remote_decode=bool(params.get("do_remote_decode")),
             remote_prefill=dict(params) if params.get("do_remote_prefill") else None,
             cache_salt=sampling.cache_salt,
+            priority=sampling.priority if self.args.scheduling_policy == "priority" else 0,
         )
         self.scheduler.add(seq)
         self._admitted += 1

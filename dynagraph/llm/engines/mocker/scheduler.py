@@ -20,6 +20,12 @@ schedules it, with the forward pass reduced to its bookkeeping:
 4. Every request whose computed tokens reach its known tokens gets one new token;
    one that reaches ``max_tokens`` finishes (``"length"``) and frees its blocks.
 
+Policy ``priority`` (vLLM's ``--scheduling-policy priority``): the waiting queue is
+ordered by (priority, arrival), lower first, and a preempted request goes back in its
+place in that order; the preemption victim is the running request with the highest
+(priority, arrival), not the last one, and if it was already scheduled in this step its
+tokens go back to the budget (vLLM 0.32 does the same).
+
 Remote prefill (vLLM's NixlConnector, simulated):
 
 - *prefill side*: a request with ``remote_decode`` keeps its blocks when it finishes
@@ -40,7 +46,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from dynagraph.errors import InvalidRequest
 from dynagraph.llm.engines.base import FinishReason
@@ -65,6 +71,7 @@ class SchedulerConfig:
     (vLLM's ``scheduler_reserve_full_isl``, on by default)."""
     engine_id: str = "mocker"
     emit_events: bool = True
+    policy: Literal["fcfs", "priority"] = "fcfs"
 
 
 @dataclass(slots=True)
@@ -122,6 +129,7 @@ class Scheduler:
         self.held: dict[str, Sequence] = {}
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self._arrivals = 0
 
     # -- queries --------------------------------------------------------------------------
 
@@ -144,6 +152,20 @@ class Scheduler:
         if seq.request_id in self.requests:
             raise InvalidRequest(f"request id {seq.request_id!r} is already in flight")
         self.requests[seq.request_id] = seq
+        seq.arrival = self._arrivals
+        self._arrivals += 1
+        if self.config.policy == "priority":
+            self._enqueue(seq)
+        else:
+            self.waiting.append(seq)
+
+    def _enqueue(self, seq: Sequence) -> None:
+        """Into ``waiting`` at its (priority, arrival) place (``priority`` policy)."""
+        key = (seq.priority, seq.arrival)
+        for i, other in enumerate(self.waiting):
+            if (other.priority, other.arrival) > key:
+                self.waiting.insert(i, seq)
+                return
         self.waiting.append(seq)
 
     def abort(self, request_id: str) -> Delta | None:
@@ -202,7 +224,7 @@ class Scheduler:
         preempted: list[str] = []
         loads: list[RemoteLoad] = []
         running = self.running
-        p_tokens = p_weighted = d_seqs = d_context = 0
+        by_priority = self.config.policy == "priority"
 
         i = 0
         while i < len(running) and budget > 0:
@@ -213,23 +235,25 @@ class Scheduler:
                 i += 1
                 continue
             while not kv.allocate(seq.request_id, computed + n):
-                victim = running.pop()
+                if by_priority:
+                    victim = max(running, key=lambda r: (r.priority, r.arrival))
+                    at = running.index(victim)
+                    del running[at]
+                    if at < i:
+                        i -= 1
+                    budget += scheduled.pop(victim.request_id, 0)
+                else:
+                    victim = running.pop()
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is seq:
                     break
             if seq.status is not Status.RUNNING:
-                break
+                break  # it was its own victim: vLLM stops the running pass here too
             if (computed + n) // bs > computed // bs:  # this step fills a block
                 kv.cache_blocks(seq.request_id, seq.block_hashes, computed + n)
             scheduled[seq.request_id] = n
             budget -= n
-            if n == 1 and seq.num_tokens > seq.num_prompt_tokens:
-                d_seqs += 1
-                d_context += computed + 1
-            else:
-                p_tokens += n
-                p_weighted += n * computed
             i += 1
 
         if not preempted:
@@ -275,16 +299,25 @@ class Scheduler:
                 seq.status = Status.RUNNING
                 scheduled[rid] = n
                 budget -= n
-                if n == 1 and seq.num_tokens > seq.num_prompt_tokens:
-                    d_seqs += 1
-                    d_context += computed + 1
-                else:
-                    p_tokens += n
-                    p_weighted += n * computed
 
+        work = self._work(scheduled)
         outputs = self._advance(scheduled)
-        work = StepWork(p_tokens, p_weighted, d_seqs, d_context)
         return StepResult(work, scheduled, outputs, preempted, loads, kv.take_events())
+
+    def _work(self, scheduled: dict[str, int]) -> StepWork:
+        """What the step computes, for the profile: prefill tokens (and their cached
+        context), decode sequences (and their context). Before ``_advance``."""
+        p_tokens = p_weighted = d_seqs = d_context = 0
+        for rid, n in scheduled.items():
+            seq = self.requests[rid]
+            computed = seq.num_computed_tokens
+            if n == 1 and seq.num_tokens > seq.num_prompt_tokens:
+                d_seqs += 1
+                d_context += computed + 1
+            else:
+                p_tokens += n
+                p_weighted += n * computed
+        return StepWork(p_tokens, p_weighted, d_seqs, d_context)
 
     def _advance(self, scheduled: dict[str, int]) -> list[Delta]:
         """The forward pass's effect: computed tokens move on, new tokens are sampled."""
@@ -334,7 +367,10 @@ class Scheduler:
         seq.status = Status.PREEMPTED
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        if self.config.policy == "priority":
+            self._enqueue(seq)
+        else:
+            self.waiting.appendleft(seq)
 
     def _record_lookup(self, seq: Sequence, hit_tokens: int) -> None:
         if seq.num_preemptions == 0:  # vLLM counts a preempted request's lookups apart

@@ -84,8 +84,8 @@ class Sequence:
         "_digests", "block_hashes", "cache_salt", "finish_reason", "hasher",
         "kv_transfer_params",
         "max_tokens", "num_cached_tokens", "num_computed_tokens", "num_preemptions",
-        "num_prompt_tokens", "remote_decode", "remote_prefill", "request_id", "status",
-        "token_ids", "tokens",
+        "num_prompt_tokens", "priority", "remote_decode", "remote_prefill", "request_id",
+        "status", "token_ids", "tokens", "arrival",
     )
 
     def __init__(
@@ -99,6 +99,7 @@ class Sequence:
         remote_decode: bool = False,
         remote_prefill: dict[str, Any] | None = None,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> None:
         if not prompt:
             raise InvalidRequest("the prompt is empty", param="prompt")
@@ -114,6 +115,10 @@ class Sequence:
         """Prefill for a remote decode: keep the blocks when finished (vLLM P side)."""
         self.remote_prefill = remote_prefill
         """The producer's ``kv_transfer_params``: load the prompt's KV (vLLM D side)."""
+        self.priority = priority
+        """Lower is served first under the scheduler's ``priority`` policy (vLLM's)."""
+        self.arrival = 0
+        """Order of arrival at the scheduler (set by ``Scheduler.add``): breaks ties."""
         self.status = Status.WAITING
         self.num_computed_tokens = 0
         self.num_preemptions = 0

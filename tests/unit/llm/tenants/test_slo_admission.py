@@ -104,6 +104,20 @@ def test_predicted_ttft_against_the_tightest_protected_target() -> None:
     assert pol.decide(late, "batch").action is Action.SHED
 
 
+def test_deferrable_work_waits_while_a_prefill_runs() -> None:
+    busy = snap(WorkerPressure(worker_id=1, running=1, prefilling=1))
+    assert policy().decide(busy, "batch") == Verdict(
+        Action.DELAY, "batch work delayed: 1 requests in prefill on the least loaded worker "
+                      "(delay at 1)", delay_s=0.5)
+    assert policy().decide(busy, "interactive").action is Action.ADMIT
+    assert policy(**{"delay-at-prefills": 2}).decide(busy, "batch").action is Action.ADMIT
+    assert policy(**{"delay-at-prefills": None}).decide(busy, "batch").action is Action.ADMIT
+    # decoding work is no reason to wait, and a free worker beside a busy one admits
+    decoding = WorkerPressure(worker_id=2, running=3, prefilling=0)
+    assert policy().decide(snap(busy.workers[0], decoding), "batch").action is Action.ADMIT
+    assert policy().gate("batch").place(snap(busy.workers[0], decoding), chosen=1)[0] == 2
+
+
 def test_the_strongest_signal_counts() -> None:
     p = snap(WorkerPressure(worker_id=1, running=4, kv_usage=0.99))
     assert policy().decide(p, "batch").reason == (

@@ -431,3 +431,28 @@ async def test_a_request_to_an_idle_engine_starts_when_it_arrives() -> None:
         await outs.aclose()
     finally:
         await e.shutdown()
+
+
+@pytest.mark.parametrize("policy,order", [("priority", ["a", "c", "b"]),
+                                          ("fcfs", ["a", "b", "c"])])
+async def test_the_scheduling_policy_serves_waiting_requests_by_priority(
+        policy: str, order: list[str]) -> None:
+    e = make(**opts(max_num_seqs=1, scheduling_policy=policy))
+    await e.start()
+    done: list[str] = []
+
+    async def run(rid: str, base: int, priority: int, max_tokens: int = 3) -> None:
+        await collect(e.generate(rid, prompt(20, base), SamplingSpec(max_tokens=max_tokens,
+                                                                     priority=priority)))
+        done.append(rid)
+
+    try:  # a runs for ~30 steps while b, then c, arrive behind it
+        tasks = [asyncio.create_task(run("a", 100, 10, max_tokens=30))]
+        await until(lambda: e.scheduler.num_running == 1)
+        tasks.append(asyncio.create_task(run("b", 300, 10)))
+        await until(lambda: len(e.scheduler.waiting) == 1)
+        tasks.append(asyncio.create_task(run("c", 500, 0)))
+        await asyncio.gather(*tasks)
+        assert done == order
+    finally:
+        await e.shutdown()
