@@ -157,12 +157,13 @@ def stats(results: list[tuple[float, str, StreamResult]], wall_s: float) -> dict
         if shed:
             s["first_shed"] = shed[0].error
         out[cls] = s
-    # Every interactive request as it went (sent at s, TTFT ms or None, error): shows
-    # whether misses come in bursts (a stall of the graph) or spread over the run.
-    out["interactive_samples"] = [
-        [round(at, 3), round(r.chunk_times[0] * 1000.0, 1) if r.chunk_times else None,
-         (r.error or "")[:120]]
-        for at, c, r in results if c == "interactive"]
+    # Every request as it went (sent at s, TTFT ms or None, error): shows whether
+    # interactive misses come in bursts and what batch work started around them.
+    for cls in KEYS:
+        out[f"{cls}_samples"] = [
+            [round(at, 3), round(r.chunk_times[0] * 1000.0, 1) if r.chunk_times else None,
+             (r.error or "")[:120]]
+            for at, c, r in results if c == cls]
     return out
 
 
@@ -225,7 +226,7 @@ def markdown(result: dict[str, Any]) -> str:
         f"Load: Poisson arrivals over {a['duration']:g} s, interactive {a['interactive_rate']:g}/s "
         f"({a['interactive_output']} output tokens), batch {a['batch_rate']:g}/s "
         f"({a['batch_output']} output tokens, ignore_eos); the same schedule in every setting. "
-        ("The mocker's priority scheduling on in every setting. " if mocker else
+        + ("The mocker's priority scheduling on in every setting. " if mocker else
          f"vLLM priority scheduling on and engines at engine-nice {a.get('engine_nice', 0)} in "
          "every setting. ") + f"'on' = `slo-admission: {a['admission']}`.",
         "",

@@ -107,6 +107,8 @@ class VllmEngineArgs(BaseModel):
     """Niceness added to the engine's own processes (engine core, model runner) once it
     is up, so the graph's light processes run first where they share cores with it
     (``dynagraph.llm.engines.nice``). 0: unchanged. No effect on an in-process engine."""
+    warmup: bool = True
+    """Serve one short request before the worker registers (``VllmEngine._warm_up``)."""
     log_stats: bool = False
     """Also run vLLM's own stat loggers (periodic log lines, ``vllm:*`` Prometheus metrics)."""
     structured_outputs_backend: Literal[
@@ -374,6 +376,8 @@ class VllmEngine:
             int(llm.vllm_config.scheduler_config.max_num_batched_tokens or 0))
         if self.args.kv_offload_gib > 0 and self.args.kv_compression != "none":
             await self._guard_compression()
+        if self.args.warmup:
+            await self._warm_up()
         self._start_seconds = time.monotonic() - began
         log.info(
             "vLLM engine ready in %.1fs: model %s, %d KV blocks of %d tokens, context %d",
@@ -383,6 +387,23 @@ class VllmEngine:
             self.args.block_size,
             self._max_model_len,
         )
+
+    async def _warm_up(self) -> None:
+        """Run one short request through the engine before anyone can send one: the
+        first request an engine serves pays for lazy set-up on the request path, and
+        on a loaded box that showed as a burst of late first tokens when load began.
+        Prompt and output together stay shorter than one block, so no block is ever
+        full: nothing enters the prefix cache or a KV pool, and no KV event goes out."""
+        progress.report("loading", f"vLLM engine for {self.args.model}: warm-up request")
+        began = time.monotonic()
+        half = max(self.args.block_size // 2, 1)
+        prompt = [1 + i for i in range(half)]
+        out_tokens = max(self.args.block_size - half - 1, 1)
+        async for _ in self.generate(f"warmup-{os.getpid()}", prompt,
+                                     SamplingSpec(max_tokens=out_tokens, temperature=0.0,
+                                                  ignore_eos=True)):
+            pass
+        log.info("warm-up request: %.0f ms", (time.monotonic() - began) * 1000)
 
     async def _guard_compression(self) -> None:
         """Run the lossy pool codec's quality guard; refuse to start if it fails."""

@@ -41,6 +41,7 @@ def test_args_defaults() -> None:
     assert a.enforce_eager and a.enable_prefix_caching
     assert a.kv_cache_space_gib == 1
     assert a.kv_events_endpoint is None and a.kv_transfer_config is None
+    assert a.warmup and "warmup" not in VllmEngine(a).engine_args()  # ours, not vLLM's
 
 
 def test_args_reject_unknown_keys() -> None:
