@@ -211,6 +211,10 @@ class VllmWorker(DecodeWorkerEndpoints):
         stream = engine_stream(self.engine, request, kv_params, salt)
         try:
             async for msg in stream:
+                if (self.afd is not None and msg.get("finish_reason") == "abort"
+                        and self.afd.failure() is not None):
+                    # the engine restart after an AFD failure aborted it: say why (below)
+                    raise EngineError("the engine aborted the request")
                 yield msg
         except EngineError as exc:
             if self.afd is None:

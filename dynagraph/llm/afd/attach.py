@@ -42,7 +42,9 @@ from dynagraph.llm.afd.plugin import AFD_ARCHITECTURE, register
 from dynagraph.llm.afd.settings import (
     AfdEngineConfig,
     AfdOptions,
+    EngineFailure,
     PeerInfo,
+    read_failure,
     write_engine_config,
 )
 from dynagraph.llm.engines.vllm_engine import VllmEngineArgs
@@ -50,6 +52,9 @@ from dynagraph.llm.engines.vllm_engine import VllmEngineArgs
 log = logging.getLogger(__name__)
 
 POLL_S = 0.25
+RESTART_BACKOFF_S = 2.0
+RESTART_BACKOFF_MAX_S = 30.0
+FAILED_PEER_GRACE_S = 15.0
 IN_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 OMP_WAIT_ENV = "OMP_WAIT_POLICY"
 
@@ -139,29 +144,60 @@ class AfdAttachment:
     async def follow(self, restart: Callable[[], Awaitable[None]] | None = None) -> None:
         """Keep the AFD file current with etcd until cancelled.
 
-        When the engine gave up (the connector left its error file: the engine is dead)
-        and FfnWorkers cover every layer again, ``restart()`` (the VllmWorker's engine
-        restart) runs and the error is cleared; until then requests fail with the
-        reason."""
+        When the engine gave up (the connector left its ``EngineFailure``: the engine
+        is dead) and FfnWorkers other than the ones it found dead cover every layer
+        again, ``restart()`` (the VllmWorker's engine restart) runs and the failure is
+        cleared; until then requests fail with its reason. A dead worker's etcd record
+        outlives it by its lease, so it does not count for ``FAILED_PEER_GRACE_S`` (then
+        it does: it may have been slow, not dead). A restart that fails (its warm-up
+        found another dead worker, say) is logged and tried again later, no sooner than
+        ``RESTART_BACKOFF_S`` after the last, doubling up to ``_MAX_S``."""
+        loop = asyncio.get_running_loop()
+        backoff, not_before = RESTART_BACKOFF_S, 0.0
+        last: EngineFailure | None = None
+        seen_at = 0.0
         while True:
             await asyncio.sleep(POLL_S)
             peers = self._peers()
             if peers != self._written:
                 log.info("AFD: FfnWorkers now %s", [p.instance for p in peers])
                 self._write(peers)
-            if restart is not None and self.error_file.exists() and not self.missing(peers):
-                log.warning("AFD: every layer has FfnWorkers again; restarting the engine")
+            failure = self.failure() if restart is not None else None
+            if failure is None or loop.time() < not_before:
+                continue
+            if failure != last:
+                last, seen_at = failure, loop.time()
+            failed = set(failure.failed) if loop.time() - seen_at < FAILED_PEER_GRACE_S \
+                else set()
+            if self.missing([p for p in peers if p.instance not in failed]):
+                continue
+            assert restart is not None
+            log.warning("AFD: every layer has FfnWorkers again; restarting the engine")
+            try:  # callers meanwhile get the failure's reason (the engine is down)
                 await restart()
-                self.error_file.unlink(missing_ok=True)
-                log.info("AFD: engine restarted")
+            except Exception as exc:  # the new engine's connector may have left a new one
+                log.warning("AFD: the engine restart failed (%s); trying again in %.0fs "
+                            "at the earliest", exc, backoff)
+                not_before = loop.time() + backoff
+                backoff = min(backoff * 2, RESTART_BACKOFF_MAX_S)
+                continue
+            self.error_file.unlink(missing_ok=True)
+            backoff = RESTART_BACKOFF_S
+            log.info("AFD: engine restarted")
+
+    def failure(self) -> EngineFailure | None:
+        """Why the engine gave up, while it is down; None while it is serving."""
+        if not self.error_file.exists():
+            return None
+        return read_failure(self.error_file) or EngineFailure(
+            reason=f"the AFD error file {self.error_file} is unreadable")
 
     def explain(self, exc: BaseException) -> BaseException:
         """The connector's reason for an engine failure, if it left one."""
-        try:
-            reason = self.error_file.read_text().strip()
-        except OSError:
+        failure = self.failure()
+        if failure is None:
             return exc
-        return EngineError(f"attention-FFN disaggregation failed: {reason}")
+        return EngineError(f"attention-FFN disaggregation failed: {failure.reason}")
 
     def stats(self) -> dict[str, float]:
         """The engine's latest ``ExchangeStats`` (empty before its first forward pass)."""

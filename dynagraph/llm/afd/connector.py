@@ -37,9 +37,11 @@ from dynagraph.llm.afd.errors import AfdError, AfdUnavailable, ChannelError
 from dynagraph.llm.afd.plan import Route, RouteTable
 from dynagraph.llm.afd.settings import (
     AfdEngineConfig,
+    EngineFailure,
     PeerInfo,
     read_engine_config,
     write_atomic,
+    write_failure,
 )
 
 log = logging.getLogger(__name__)
@@ -222,15 +224,15 @@ class AfdConnector:
             msg = (f"no FfnWorker can compute layer {layer} of {self.config.model} "
                    f"within {self.config.failover_timeout_s:g}s: live peers "
                    f"{[p.instance for p in self.config.peers]}, failed {sorted(self._dead)}")
-            self._report(msg)
+            self._report(EngineFailure(reason=msg, failed=sorted(self._dead)))
             raise AfdUnavailable(msg)
         time.sleep(RETRY_INTERVAL_S)
         self._load()
 
-    def _report(self, msg: str) -> None:
+    def _report(self, failure: EngineFailure) -> None:
         if self.config.error_file:
             try:
-                Path(self.config.error_file).write_text(msg + "\n")
+                write_failure(Path(self.config.error_file), failure)
             except OSError:
                 log.exception("cannot write the AFD error file")
 

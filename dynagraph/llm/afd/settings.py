@@ -72,9 +72,31 @@ class AfdEngineConfig(AfdOptions):
     model: str
     peers: list[PeerInfo] = Field(default_factory=list)
     error_file: str | None = None
-    """Where the connector writes why it gave up (the VllmWorker reports it)."""
+    """Where the connector writes why it gave up (``EngineFailure``; the VllmWorker
+    reports it and restarts the engine once other workers cover every layer)."""
     stats_file: str | None = None
     """Where the connector publishes its ``ExchangeStats`` (JSON, now and then)."""
+
+
+class EngineFailure(BaseModel):
+    """Why the engine's connector gave up: ``reason`` for callers, ``failed`` (the
+    FfnWorker instances it found dead) so the VllmWorker does not restart the engine
+    onto them while their etcd records outlive them (until their lease expires)."""
+
+    reason: str
+    failed: list[str] = Field(default_factory=list)
+
+
+def write_failure(path: Path, failure: EngineFailure) -> None:
+    write_atomic(path, failure.model_dump_json())
+
+
+def read_failure(path: Path) -> EngineFailure | None:
+    """The failure recorded at ``path``; None when there is none (or it cannot be read)."""
+    try:
+        return EngineFailure.model_validate_json(path.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def write_atomic(path: Path, text: str) -> None:

@@ -12,10 +12,17 @@ from typing import Any
 import pytest
 
 from dynagraph.errors import EngineError
+from dynagraph.llm.afd import attach
 from dynagraph.llm.afd.attach import AfdAttachment, live_peers
 from dynagraph.llm.afd.errors import AfdUnavailable
-from dynagraph.llm.afd.settings import AfdOptions, read_engine_config
+from dynagraph.llm.afd.settings import (
+    AfdOptions,
+    EngineFailure,
+    read_engine_config,
+    write_failure,
+)
 from dynagraph.llm.engines.vllm_engine import VllmEngineArgs
+from tests.support.poll import until
 
 
 @dataclass
@@ -87,6 +94,11 @@ async def test_prepare_gives_up_naming_the_missing_layers(model_dir: Path) -> No
         afd.close()
 
 
+def fail(afd: AfdAttachment, reason: str, failed: list[str] | None = None) -> None:
+    """What the engine's connector leaves when it gives up."""
+    write_failure(afd.error_file, EngineFailure(reason=reason, failed=failed or []))
+
+
 async def test_a_dead_engine_is_restarted_once_every_layer_is_covered(model_dir: Path) -> None:
     instances: list[Inst] = [Inst(1, record("l0", [0]))]
     afd = AfdAttachment(AfdOptions(), str(model_dir), lambda: list(instances))
@@ -97,7 +109,7 @@ async def test_a_dead_engine_is_restarted_once_every_layer_is_covered(model_dir:
 
     follow = asyncio.create_task(afd.follow(restart))
     try:
-        afd.error_file.write_text("no FfnWorker can compute layer 1\n")
+        fail(afd, "no FfnWorker can compute layer 1")
         await asyncio.sleep(0.6)
         assert restarts == []                       # layer 1 still has no worker
         instances.append(Inst(2, record("l1", [1])))
@@ -117,9 +129,84 @@ def test_explain_prefers_the_connector_reason(model_dir: Path) -> None:
     try:
         plain = EngineError("engine dead")
         assert afd.explain(plain) is plain
-        afd.error_file.write_text("no FfnWorker can compute layer 1\n")
+        fail(afd, "no FfnWorker can compute layer 1")
         explained = afd.explain(plain)
         assert isinstance(explained, EngineError)
         assert str(explained).endswith("failed: no FfnWorker can compute layer 1")
     finally:
+        afd.close()
+
+
+async def test_no_restart_onto_the_worker_that_failed_while_its_record_outlives_it(
+        model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The killed worker's etcd record stays until its lease expires: restarting onto it
+    would only fail again. Its replacement (a new instance id) is what restarts."""
+    monkeypatch.setattr(attach, "POLL_S", 0.02)
+    instances = [Inst(1, record("a", [0, 1])), Inst(2, record("b", [0, 1]))]
+    afd = AfdAttachment(AfdOptions(), str(model_dir), lambda: list(instances))
+    restarts: list[list[str]] = []
+
+    async def restart() -> None:
+        restarts.append([p.instance for p in read_engine_config(afd.path).peers])
+
+    follow = asyncio.create_task(afd.follow(restart))
+    try:
+        fail(afd, "no FfnWorker can compute layer 0", failed=["a", "b"])
+        await asyncio.sleep(0.3)
+        assert restarts == []                       # both records still there, both dead
+        instances[1] = Inst(3, record("c", [0, 1]))  # b's replacement registers
+        await until(lambda: restarts, 3.0, "a restart")
+        assert restarts == [["a", "c"]] and afd.failure() is None
+    finally:
+        follow.cancel()
+        afd.close()
+
+
+async def test_a_failed_restart_is_tried_again_and_the_reason_stays_meanwhile(
+        model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(attach, "POLL_S", 0.02)
+    monkeypatch.setattr(attach, "RESTART_BACKOFF_S", 0.1)
+    afd = AfdAttachment(AfdOptions(), str(model_dir), lambda: [Inst(1, record("a", [0, 1]))])
+    attempts: list[str | None] = []
+
+    async def restart() -> None:
+        failure = afd.failure()
+        attempts.append(failure.reason if failure else None)
+        if len(attempts) == 1:  # the new engine's warm-up failed: its connector says why
+            fail(afd, "warm-up: no FfnWorker can compute layer 1")
+            raise EngineError("engine died in its warm-up")
+
+    follow = asyncio.create_task(afd.follow(restart))
+    try:
+        fail(afd, "no FfnWorker can compute layer 1")
+        await until(lambda: len(attempts) == 2, 3.0, "a second restart")
+        # during each restart callers still get the reason; the second is the new one
+        assert attempts == ["no FfnWorker can compute layer 1",
+                            "warm-up: no FfnWorker can compute layer 1"]
+        await until(lambda: afd.failure() is None, 3.0, "the failure cleared")
+        assert not follow.done()                    # a failed restart does not end it
+    finally:
+        follow.cancel()
+        afd.close()
+
+
+async def test_a_failed_worker_counts_again_after_the_grace(
+        model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker that was only slow keeps its record: after the grace it is tried again."""
+    monkeypatch.setattr(attach, "POLL_S", 0.02)
+    monkeypatch.setattr(attach, "FAILED_PEER_GRACE_S", 0.3)
+    afd = AfdAttachment(AfdOptions(), str(model_dir), lambda: [Inst(1, record("a", [0, 1]))])
+    restarts: list[float] = []
+
+    async def restart() -> None:
+        restarts.append(asyncio.get_running_loop().time())
+
+    follow = asyncio.create_task(afd.follow(restart))
+    try:
+        began = asyncio.get_running_loop().time()
+        fail(afd, "no FfnWorker can compute layer 0", failed=["a"])
+        await until(lambda: restarts, 3.0, "a restart")
+        assert restarts[0] - began >= 0.3
+    finally:
+        follow.cancel()
         afd.close()

@@ -15,7 +15,12 @@ from dynagraph.llm.afd.channel import host_id
 from dynagraph.llm.afd.connector import AfdConnector
 from dynagraph.llm.afd.errors import AfdUnavailable
 from dynagraph.llm.afd.server import FfnServer
-from dynagraph.llm.afd.settings import AfdEngineConfig, PeerInfo, write_engine_config
+from dynagraph.llm.afd.settings import (
+    AfdEngineConfig,
+    PeerInfo,
+    read_failure,
+    write_engine_config,
+)
 
 from .fakes import DTYPE, HIDDEN, ScaleFfn, rows
 
@@ -161,8 +166,9 @@ def test_gives_up_with_a_clear_error_and_reports_it(fleet: Fleet) -> None:
         with pytest.raises(AfdUnavailable, match="no FfnWorker can compute layer 0 of fake"):
             conn.collect(call)
         assert time.monotonic() - began < 3  # failover_timeout_s is 1 s: nothing hangs
-        reason = (fleet.path.parent / "error.txt").read_text()
-        assert "layer 0" in reason and "only" in reason
+        failure = read_failure(fleet.path.parent / "error.txt")
+        assert failure is not None and failure.failed == ["only"]
+        assert "layer 0" in failure.reason and "only" in failure.reason
         conn.close()
     finally:
         stuck.set()
