@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import sys
 import time
 import warnings
 from collections.abc import AsyncIterator, Callable
@@ -86,7 +87,8 @@ class VllmEngineArgs(BaseModel):
     """Quality guard: the smallest share of calibration prompts whose greedy tokens from
     the compressed pool must equal the computed ones."""
     enforce_eager: bool = True
-    """Skip torch.compile / graph capture (saves 30-70 s of start-up on the CPU)."""
+    """Skip torch.compile / graph capture (saves 30-70 s of start-up on the CPU); also
+    turns off torch.compile for vLLM's helpers (``TORCHDYNAMO_DISABLE=1`` unless set)."""
     enable_prefix_caching: bool = True
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     """``priority``: requests carry their SLO class's priority (lower is served first)."""
@@ -103,10 +105,13 @@ class VllmEngineArgs(BaseModel):
     ``spread``: worker ``i`` of the component on core ``i mod cpus`` (``spread_bind``)."""
     cpu_reserved_cores: int | None = Field(default=None, ge=0)
     """``VLLM_CPU_NUM_OF_RESERVED_CPU``; set 0 on 2-core machines with a KV connector."""
-    engine_nice: int = Field(default=0, ge=0, le=19)
+    engine_nice: int = Field(default=19, ge=0, le=19)
     """Niceness added to the engine's own processes (engine core, model runner) once it
-    is up, so the graph's light processes run first where they share cores with it
-    (``dynagraph.llm.engines.nice``). 0: unchanged. No effect on an in-process engine."""
+    is up, so the graph's light processes and etcd run first where they share cores with
+    it (``dynagraph.llm.engines.nice``). 0: unchanged. No effect on an in-process engine.
+    19 by default: at 0, a 2-core box serving 1000-token completions starved etcd past
+    the graph's 3 s leases and broke a stream on its 4 s idle timeout; at 19 neither,
+    at about the same speed (``benchmarks/engine_nice_probe.py``)."""
     warmup: bool = True
     """Serve one short request before the worker registers (``VllmEngine._warm_up``)."""
     log_stats: bool = False
@@ -186,6 +191,9 @@ def spread_bind(value: str | None, worker_index: int, cpus: int) -> str | None:
     return str(worker_index % max(cpus, 1))
 
 
+DYNAMO_DISABLE_ENV = "TORCHDYNAMO_DISABLE"
+
+
 def _apply_env(args: VllmEngineArgs) -> None:
     """Set what vLLM reads from the environment. Must run before vLLM is imported."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -197,6 +205,15 @@ def _apply_env(args: VllmEngineArgs) -> None:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = args.cpu_threads_bind
     if args.cpu_reserved_cores is not None:
         os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(args.cpu_reserved_cores)
+    if args.enforce_eager and DYNAMO_DISABLE_ENV not in os.environ:
+        # Eager means no torch.compile at all: vLLM still compiles a sampler helper (the
+        # rank count of ``logprobs``), and on the CPU that made the first request asking
+        # for logprobs take 18.5 s instead of 0.1 s (inductor building C++), once per
+        # engine and again for new shapes. Spawned engine processes read the variable;
+        # this process (and forked ones) already imported torch, so set its flag too.
+        os.environ[DYNAMO_DISABLE_ENV] = "1"
+        if "torch._dynamo" in sys.modules:
+            sys.modules["torch._dynamo"].config.disable = True
 
 
 def _to_sampling_params(spec: SamplingSpec, kv_transfer_params: dict[str, Any] | None) -> Any:

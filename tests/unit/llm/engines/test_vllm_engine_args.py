@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -13,8 +14,10 @@ from pydantic import ValidationError
 from dynagraph.errors import ConfigError, EngineError
 from dynagraph.llm.engines import SamplingSpec
 from dynagraph.llm.engines.vllm_engine import (
+    DYNAMO_DISABLE_ENV,
     VllmEngine,
     VllmEngineArgs,
+    _apply_env,
     _finish_reason,
     _to_engine_outputs,
     kv_transfer_config,
@@ -42,6 +45,30 @@ def test_args_defaults() -> None:
     assert a.kv_cache_space_gib == 1
     assert a.kv_events_endpoint is None and a.kv_transfer_config is None
     assert a.warmup and "warmup" not in VllmEngine(a).engine_args()  # ours, not vLLM's
+    assert a.engine_nice == 19
+
+
+def test_eager_turns_torch_compile_off_for_vllms_helpers_unless_told_otherwise(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM torch.compiles its logprobs rank count even when eager: 18.5 s on the first
+    request with logprobs here. Eager engines run it uncompiled instead."""
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None:  # restored after the test, as is the environment
+        monkeypatch.setattr(dynamo.config, "disable", False)
+    for env in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND",
+                "VLLM_CPU_NUM_OF_RESERVED_CPU", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE",
+                "VLLM_NO_USAGE_STATS", "VLLM_DO_NOT_TRACK"):
+        monkeypatch.setenv(env, os.environ.get(env, ""))  # whatever _apply_env sets is undone
+    monkeypatch.delenv(DYNAMO_DISABLE_ENV, raising=False)
+    _apply_env(VllmEngineArgs(model="m", enforce_eager=False))
+    assert DYNAMO_DISABLE_ENV not in os.environ
+    _apply_env(VllmEngineArgs(model="m"))
+    assert os.environ[DYNAMO_DISABLE_ENV] == "1"
+    if dynamo is not None:
+        assert dynamo.config.disable
+    monkeypatch.setenv(DYNAMO_DISABLE_ENV, "0")  # the operator's choice stands
+    _apply_env(VllmEngineArgs(model="m"))
+    assert os.environ[DYNAMO_DISABLE_ENV] == "0"
 
 
 def test_args_reject_unknown_keys() -> None:

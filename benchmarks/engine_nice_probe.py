@@ -1,0 +1,100 @@
+"""Does a loaded engine starve the graph's control plane? Lost etcd leases and broken
+streams per ``VllmWorker.engine-nice`` setting.
+
+For each setting, serves ``graphs.agg:Frontend -f configs/agg.yaml`` on the tiny model as
+``tests/multihost`` records its reference (engine threads bound to core 0, no reserved
+core; etcd and NATS started for it), sends ``--requests`` completions one after another
+(``--tokens`` tokens each, ``logprobs: 5``, ``ignore_eos``), and counts what went wrong:
+requests that failed (a ``StreamBroken`` idle timeout, say) and etcd leases the graph's
+processes found expired ("lease ... no longer exists"; each is a moment when that
+component was missing from discovery). ``--runs`` graphs per setting.
+
+    python benchmarks/engine_nice_probe.py                      # settings 0,10,19
+    python benchmarks/engine_nice_probe.py --settings 0,19 --runs 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks._common import REPO, ManagedProcess, machine_info, write_results  # noqa: E402
+from dynagraph.runtime.infra import free_port, local_infra  # noqa: E402
+from tools.model_builder import ensure_model  # noqa: E402
+
+WORDS = [f"{a}{b}" for a in ("ka", "lo", "mi", "su", "te", "ra") for b in ("n", "sh", "p", "t", "x")]
+LEASE_LOST = "no longer exists in etcd"
+
+
+def prompt(i: int) -> str:
+    return f"Stream {i}: " + " ".join(WORDS[(i * 5 + j) % len(WORDS)] for j in range(120))
+
+
+def one_graph(nice: int, requests: int, tokens: int) -> dict[str, Any]:
+    model_dir = ensure_model(REPO / "models" / "tiny-llama")
+    port = free_port()
+    with local_infra(etcd=True, nats=True) as infra:
+        env = {**os.environ, "ETCD_ENDPOINTS": infra["etcd"].url,
+               "NATS_SERVER": infra["nats"].url, "PYTHONUNBUFFERED": "1"}
+        cmd = [sys.executable, "-m", "dynagraph.cli.main", "serve", "graphs.agg:Frontend",
+               "-f", "configs/agg.yaml", f"--Frontend.port={port}",
+               f"--Common.model={model_dir}", '--VllmWorker.cpu-threads-bind="0"',
+               "--VllmWorker.cpu-reserved-cores=0", f"--VllmWorker.engine-nice={nice}"]
+        server = ManagedProcess(cmd, env, name=f"agg engine-nice {nice}")
+        seconds: list[float] = []
+        errors: list[str] = []
+        try:
+            server.wait_line(lambda s: "dynamo serve: graph " in s, 300)
+            ready_at = len(server.lines)
+            for i in range(requests):
+                began = time.monotonic()
+                r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=300, json={
+                    "model": "tiny-llama", "prompt": prompt(i), "max_tokens": tokens,
+                    "temperature": 0, "ignore_eos": True, "logprobs": 5})
+                seconds.append(round(time.monotonic() - began, 2))
+                if r.status_code != 200:
+                    errors.append(f"{r.status_code}: {r.text[:200]}")
+            lost = sum(LEASE_LOST in line for line in server.lines[ready_at:])
+        finally:
+            server.stop()
+    return {"engine_nice": nice, "request_seconds": seconds, "errors": errors,
+            "leases_lost": lost}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--settings", default="0,10,19", help="engine-nice values, comma-separated")
+    ap.add_argument("--runs", type=int, default=2, help="graphs per setting")
+    ap.add_argument("--requests", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=1000)
+    ap.add_argument("--name", default="engine_nice_probe")
+    args = ap.parse_args()
+    runs = [one_graph(int(n), args.requests, args.tokens)
+            for n in args.settings.split(",") for _ in range(args.runs)]
+    rows = [f"| {r['engine_nice']} | {r['leases_lost']} | {len(r['errors'])} | "
+            f"{' / '.join(f'{s:.1f}' for s in r['request_seconds'])} |" for r in runs]
+    text = (f"# Engine niceness vs the control plane\n\n`python benchmarks/engine_nice_probe.py "
+            f"--settings {args.settings} --runs {args.runs}`: agg graph, engine on core 0, "
+            f"{args.requests} x {args.tokens}-token completions with logprobs 5, one at a "
+            "time; leases the graph's processes found expired, failed requests, seconds per "
+            "request. Provisional (shared 2-core VM).\n\n"
+            "| engine-nice | etcd leases lost | failed requests | seconds per request |\n"
+            "|---|---|---|---|\n" + "\n".join(rows) + "\n")
+    errors = [e for r in runs for e in r["errors"]]
+    if errors:
+        text += "\nFailures:\n\n" + "\n".join(f"- {e}" for e in errors) + "\n"
+    write_results(args.name, {"runs": runs, "machine": machine_info(), **vars(args)}, text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
