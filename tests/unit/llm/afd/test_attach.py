@@ -4,7 +4,9 @@ file and the engine arguments it hands to vLLM, and the clear error on failure."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -99,29 +101,39 @@ def fail(afd: AfdAttachment, reason: str, failed: list[str] | None = None) -> No
     write_failure(afd.error_file, EngineFailure(reason=reason, failed=failed or []))
 
 
+def timed_restarts() -> tuple[list[float], Callable[[], Awaitable[None]]]:
+    """A restart that only records when it ran."""
+    times: list[float] = []
+
+    async def restart() -> None:
+        times.append(asyncio.get_running_loop().time())
+    return times, restart
+
+
+@contextlib.asynccontextmanager
+async def following(afd: AfdAttachment, restart: Callable[[], Awaitable[None]]
+                    ) -> AsyncIterator[asyncio.Task[None]]:
+    """``afd.follow(restart)`` running; cancelled and the attachment closed afterwards."""
+    follow = asyncio.create_task(afd.follow(restart))
+    try:
+        yield follow
+    finally:
+        follow.cancel()
+        afd.close()
+
+
 async def test_a_dead_engine_is_restarted_once_every_layer_is_covered(model_dir: Path) -> None:
     instances: list[Inst] = [Inst(1, record("l0", [0]))]
     afd = AfdAttachment(AfdOptions(), str(model_dir), lambda: list(instances))
-    restarts: list[float] = []
-
-    async def restart() -> None:
-        restarts.append(asyncio.get_running_loop().time())
-
-    follow = asyncio.create_task(afd.follow(restart))
-    try:
+    restarts, restart = timed_restarts()
+    async with following(afd, restart):
         fail(afd, "no FfnWorker can compute layer 1")
         await asyncio.sleep(0.6)
         assert restarts == []                       # layer 1 still has no worker
         instances.append(Inst(2, record("l1", [1])))
-        for _ in range(40):
-            await asyncio.sleep(0.05)
-            if restarts:
-                break
+        await until(lambda: restarts, 2.0, "a restart")
         await asyncio.sleep(0.3)
         assert len(restarts) == 1 and not afd.error_file.exists()
-    finally:
-        follow.cancel()
-        afd.close()
 
 
 def test_explain_prefers_the_connector_reason(model_dir: Path) -> None:
@@ -149,17 +161,13 @@ async def test_no_restart_onto_the_worker_that_failed_while_its_record_outlives_
     async def restart() -> None:
         restarts.append([p.instance for p in read_engine_config(afd.path).peers])
 
-    follow = asyncio.create_task(afd.follow(restart))
-    try:
+    async with following(afd, restart):
         fail(afd, "no FfnWorker can compute layer 0", failed=["a", "b"])
         await asyncio.sleep(0.3)
         assert restarts == []                       # both records still there, both dead
         instances[1] = Inst(3, record("c", [0, 1]))  # b's replacement registers
         await until(lambda: restarts, 3.0, "a restart")
         assert restarts == [["a", "c"]] and afd.failure() is None
-    finally:
-        follow.cancel()
-        afd.close()
 
 
 async def test_a_failed_restart_is_tried_again_and_the_reason_stays_meanwhile(
@@ -176,8 +184,7 @@ async def test_a_failed_restart_is_tried_again_and_the_reason_stays_meanwhile(
             fail(afd, "warm-up: no FfnWorker can compute layer 1")
             raise EngineError("engine died in its warm-up")
 
-    follow = asyncio.create_task(afd.follow(restart))
-    try:
+    async with following(afd, restart) as follow:
         fail(afd, "no FfnWorker can compute layer 1")
         await until(lambda: len(attempts) == 2, 3.0, "a second restart")
         # during each restart callers still get the reason; the second is the new one
@@ -185,9 +192,6 @@ async def test_a_failed_restart_is_tried_again_and_the_reason_stays_meanwhile(
                             "warm-up: no FfnWorker can compute layer 1"]
         await until(lambda: afd.failure() is None, 3.0, "the failure cleared")
         assert not follow.done()                    # a failed restart does not end it
-    finally:
-        follow.cancel()
-        afd.close()
 
 
 async def test_a_failed_worker_counts_again_after_the_grace(
@@ -196,17 +200,9 @@ async def test_a_failed_worker_counts_again_after_the_grace(
     monkeypatch.setattr(attach, "POLL_S", 0.02)
     monkeypatch.setattr(attach, "FAILED_PEER_GRACE_S", 0.3)
     afd = AfdAttachment(AfdOptions(), str(model_dir), lambda: [Inst(1, record("a", [0, 1]))])
-    restarts: list[float] = []
-
-    async def restart() -> None:
-        restarts.append(asyncio.get_running_loop().time())
-
-    follow = asyncio.create_task(afd.follow(restart))
-    try:
+    restarts, restart = timed_restarts()
+    async with following(afd, restart):
         began = asyncio.get_running_loop().time()
         fail(afd, "no FfnWorker can compute layer 0", failed=["a"])
         await until(lambda: restarts, 3.0, "a restart")
         assert restarts[0] - began >= 0.3
-    finally:
-        follow.cancel()
-        afd.close()
