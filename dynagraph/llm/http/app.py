@@ -242,7 +242,7 @@ class _Routes:
             try:
                 await self._wait_for_workers()
                 self._model(parsed.model)
-                release = await self._admit()
+                release = await self._admit(self.gate.class_priority.get(slo_class, 0))
             except HTTPError:
                 self.gate.settle(entry, expected, 0)
                 raise
@@ -306,11 +306,12 @@ class _Routes:
                                     self.worker_wait_s / 2)))})
             await asyncio.sleep(0.05)
 
-    async def _admit(self) -> Callable[[], None] | None:
+    async def _admit(self, priority: int) -> Callable[[], None] | None:
+        """A slot in flight; waiting ones go by SLO class ``priority``, then arrival."""
         if self.admission is None:
             return None
         try:
-            return await self.admission.acquire()
+            return await self.admission.acquire(priority)
         except Overloaded as exc:
             raise HTTPError(429, str(exc), type="rate_limit_exceeded", code="overloaded",
                             headers={"retry-after": str(exc.retry_after)}) from None

@@ -53,3 +53,26 @@ async def test_waiters_are_served_in_order_and_a_cancelled_one_passes_its_turn()
     release()
     await asyncio.gather(*tasks, return_exceptions=True)
     assert order == [0, 2] and adm.inflight == 0 and adm.queued == 0
+
+
+async def test_a_waiter_of_a_lower_priority_number_is_served_first() -> None:
+    """Batch work (priority 10) holding the queue must not make an interactive request
+    (priority 0) wait behind it; equal priorities keep arrival order."""
+    adm = Admission(max_inflight=1, max_queued=8, queue_timeout=5)
+    release = await adm.acquire(10)
+    order: list[str] = []
+
+    async def wait(name: str, priority: int) -> None:
+        rel = await adm.acquire(priority)
+        order.append(name)
+        rel()
+
+    tasks = []
+    for name, priority in (("batch1", 10), ("batch2", 10), ("interactive", 0),
+                           ("default", 5), ("batch3", 10)):
+        tasks.append(asyncio.create_task(wait(name, priority)))
+        await asyncio.sleep(0)  # queued in this order
+    release()
+    await asyncio.gather(*tasks)
+    assert order == ["interactive", "default", "batch1", "batch2", "batch3"]
+    assert adm.inflight == 0 and adm.queued == 0
