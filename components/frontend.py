@@ -61,6 +61,10 @@ class FrontendConfig(RequestLimits):
     """Generation requests served at once; more wait in the admission queue."""
     max_queued_requests: int = Field(default=512, ge=0)
     """Requests waiting for a slot; past that, 429 with Retry-After at once."""
+    reserved_inflight_requests: int = Field(default=32, ge=0)
+    """With a tenants file: of ``max-inflight-requests``, this many only for the top SLO
+    class (the lowest priority number), so batch work cannot hold every slot while
+    interactive requests wait behind it (at most ``max-inflight-requests`` - 1)."""
     queue_timeout: float = Field(default=30.0, ge=0.0)
     """Seconds a request may wait for a slot before it gets a 429."""
     worker_wait: float = Field(default=10.0, ge=0.0)
@@ -126,9 +130,7 @@ class Frontend(Component):
                          max_model_len=cfg_.max_model_len, registry=self.runtime.registry,
                          limits=RequestLimits.model_validate(
                              cfg_.model_dump(include=set(RequestLimits.model_fields))),
-                         admission=Admission(max_inflight=cfg_.max_inflight_requests,
-                                             max_queued=cfg_.max_queued_requests,
-                                             queue_timeout=cfg_.queue_timeout),
+                         admission=self._admission(),
                          worker_wait_s=cfg_.worker_wait, tenants=self._tenant_gate())
         cfg = uvicorn.Config(app, host=self.config.host, port=self.config.port,
                              log_level="warning", access_log=False, lifespan="off")
@@ -144,6 +146,17 @@ class Frontend(Component):
         url = f"http://{advertised(self.config.host)}:{port}"
         self.runtime.metadata.update({"url": url, "model": self.config.served_model_name})
         log.info("OpenAI API at %s/v1 (model %s)", url, self.config.served_model_name)
+
+    def _admission(self) -> Admission:
+        cfg = self.config
+        reserved = 0
+        if cfg.tenants_file is not None:  # an open service's requests are all one class
+            reserved = min(cfg.reserved_inflight_requests, cfg.max_inflight_requests - 1)
+        return Admission(max_inflight=cfg.max_inflight_requests,
+                         max_queued=cfg.max_queued_requests, queue_timeout=cfg.queue_timeout,
+                         reserved=reserved,
+                         top_priority=min((c.priority for c in cfg.slo_classes.values()),
+                                          default=0))
 
     def _tenant_gate(self) -> TenantGate:
         signer = Signer.from_env()

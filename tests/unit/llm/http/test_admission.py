@@ -76,3 +76,29 @@ async def test_a_waiter_of_a_lower_priority_number_is_served_first() -> None:
     await asyncio.gather(*tasks)
     assert order == ["interactive", "default", "batch1", "batch2", "batch3"]
     assert adm.inflight == 0 and adm.queued == 0
+
+
+async def test_reserved_slots_are_for_the_top_class_only() -> None:
+    """Batch work fills the open slots and queues; an interactive request still gets a
+    reserved slot at once, and batch never takes one."""
+    adm = Admission(max_inflight=3, max_queued=8, queue_timeout=5, reserved=1, top_priority=0)
+    batch = [await adm.acquire(10), await adm.acquire(10)]
+    queued = asyncio.create_task(adm.acquire(10))  # the reserved slot is not for it
+    await asyncio.sleep(0)
+    assert not queued.done() and adm.inflight == 2 and adm.queued == 1
+    interactive = await asyncio.wait_for(adm.acquire(0), 1)
+    assert adm.inflight == 3 and adm.inflight_below_top == 2
+    interactive()  # the reserved slot is free again, and still not batch's
+    await asyncio.sleep(0)
+    assert not queued.done() and adm.inflight == 2
+    batch[0]()  # an open slot: the queued batch request takes it
+    release = await asyncio.wait_for(queued, 1)
+    assert adm.inflight == 2 and adm.inflight_below_top == 2 and adm.queued == 0
+    for r in (release, batch[1]):
+        r()
+    assert adm.inflight == 0 and adm.inflight_below_top == 0
+
+
+def test_the_reserve_must_leave_an_open_slot() -> None:
+    with pytest.raises(ValueError, match="reserved"):
+        Admission(max_inflight=2, max_queued=0, queue_timeout=1, reserved=2)
