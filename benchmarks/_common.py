@@ -18,6 +18,7 @@ import os
 import platform
 import signal
 import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -162,6 +163,21 @@ def machine_info() -> dict[str, Any]:
 
 
 # -- processes ----------------------------------------------------------------------------
+
+def serve_command(graph: str, config: str, port: int, model_dir: Path,
+                  *args: str) -> list[str]:
+    """``dynamo serve graphs.<graph>:Frontend -f configs/<config>.yaml`` on ``port`` and
+    ``model_dir``, with ``args`` (``--Component.key=value``) after."""
+    return [sys.executable, "-m", "dynagraph.cli.main", "serve", f"graphs.{graph}:Frontend",
+            "-f", f"configs/{config}.yaml", f"--Frontend.port={port}",
+            f"--Common.model={model_dir}", *args]
+
+
+def infra_env(infra: Any) -> dict[str, str]:
+    """This process's environment for a graph using ``local_infra()``'s etcd and NATS."""
+    return {**os.environ, "ETCD_ENDPOINTS": infra["etcd"].url,
+            "NATS_SERVER": infra["nats"].url, "PYTHONUNBUFFERED": "1"}
+
 
 class ManagedProcess:
     """A server in its own session (process group); its output is kept in ``lines``.

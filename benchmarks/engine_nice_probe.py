@@ -16,7 +16,6 @@ component was missing from discovery). ``--runs`` graphs per setting.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -26,7 +25,14 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import REPO, ManagedProcess, machine_info, write_results  # noqa: E402
+from benchmarks._common import (  # noqa: E402
+    REPO,
+    ManagedProcess,
+    infra_env,
+    machine_info,
+    serve_command,
+    write_results,
+)
 from dynagraph.runtime.infra import free_port, local_infra  # noqa: E402
 from tools.model_builder import ensure_model  # noqa: E402
 
@@ -42,13 +48,10 @@ def one_graph(nice: int, requests: int, tokens: int) -> dict[str, Any]:
     model_dir = ensure_model(REPO / "models" / "tiny-llama")
     port = free_port()
     with local_infra(etcd=True, nats=True) as infra:
-        env = {**os.environ, "ETCD_ENDPOINTS": infra["etcd"].url,
-               "NATS_SERVER": infra["nats"].url, "PYTHONUNBUFFERED": "1"}
-        cmd = [sys.executable, "-m", "dynagraph.cli.main", "serve", "graphs.agg:Frontend",
-               "-f", "configs/agg.yaml", f"--Frontend.port={port}",
-               f"--Common.model={model_dir}", '--VllmWorker.cpu-threads-bind="0"',
-               "--VllmWorker.cpu-reserved-cores=0", f"--VllmWorker.engine-nice={nice}"]
-        server = ManagedProcess(cmd, env, name=f"agg engine-nice {nice}")
+        cmd = serve_command("agg", "agg", port, model_dir, '--VllmWorker.cpu-threads-bind="0"',
+                            "--VllmWorker.cpu-reserved-cores=0",
+                            f"--VllmWorker.engine-nice={nice}")
+        server = ManagedProcess(cmd, infra_env(infra), name=f"agg engine-nice {nice}")
         seconds: list[float] = []
         errors: list[str] = []
         try:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 import urllib.request
@@ -28,8 +27,10 @@ from benchmarks._common import (  # noqa: E402
     REPO,
     ManagedProcess,
     cpu_delta,
+    infra_env,
     machine_info,
     process_tree_cpu,
+    serve_command,
     write_results,
 )
 from dynagraph.runtime.infra import free_port, local_infra  # noqa: E402
@@ -50,11 +51,8 @@ def measure(graph: str, seconds: float, settle: float, delay: str | None) -> dic
     model_dir = ensure_model(REPO / "models" / "tiny-llama")
     port = free_port()
     with local_infra(etcd=True, nats=True) as infra:
-        env = {**os.environ, "ETCD_ENDPOINTS": infra["etcd"].url,
-               "NATS_SERVER": infra["nats"].url, "PYTHONUNBUFFERED": "1"}
-        cmd = [sys.executable, "-m", "dynagraph.cli.main", "serve", f"graphs.{graph}:Frontend",
-               "-f", f"configs/{graph}.yaml", f"--Frontend.port={port}",
-               f"--Common.model={model_dir}", "--Common.max-model-len=2048"]
+        env = infra_env(infra)
+        cmd = serve_command(graph, graph, port, model_dir, "--Common.max-model-len=2048")
         if delay is not None and graph.startswith("disagg"):
             cmd += [f"--{c}.nixl-progress-delay-us={delay}" for c in NIXL_COMPONENTS]
         server = ManagedProcess(cmd, env, name=graph)

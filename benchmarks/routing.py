@@ -54,8 +54,10 @@ from benchmarks._common import (  # noqa: E402
     REPO,
     ManagedProcess,
     StreamResult,
+    infra_env,
     percentile,
     publish,
+    serve_command,
     stream_request,
 )
 from dynagraph.runtime.discovery import EtcdDiscovery  # noqa: E402
@@ -447,12 +449,8 @@ def main() -> int:
     model_dir = ensure_model(REPO / "models" / "tiny-llama")
     port = free_port()
     with local_infra(etcd=True, nats=True) as infra:
-        env = {**os.environ, "ETCD_ENDPOINTS": infra["etcd"].url,
-               "NATS_SERVER": infra["nats"].url, "PYTHONUNBUFFERED": "1"}
-        cmd = [sys.executable, "-m", "dynagraph.cli.main", "serve", "graphs.agg_router:Frontend",
-               "-f", "configs/agg_router.yaml", "--ready-timeout", "420",
-               f"--Frontend.port={port}",
-               f"--Common.model={model_dir}"]
+        env = infra_env(infra)
+        cmd = serve_command("agg_router", "agg_router", port, model_dir, "--ready-timeout=420")
         if a.worker_blocks:
             cmd.append("--VllmWorker.extra-engine-args={num_gpu_blocks_override: "
                        f"{a.worker_blocks}}}")

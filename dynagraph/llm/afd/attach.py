@@ -162,8 +162,10 @@ class AfdAttachment:
             if peers != self._written:
                 log.info("AFD: FfnWorkers now %s", [p.instance for p in peers])
                 self._write(peers)
-            failure = self.failure() if restart is not None else None
-            if failure is None or loop.time() < not_before:
+            if restart is None or loop.time() < not_before:
+                continue
+            failure = self.failure()
+            if failure is None:
                 continue
             if failure != last:
                 last, seen_at = failure, loop.time()
@@ -171,7 +173,6 @@ class AfdAttachment:
                 else set()
             if self.missing([p for p in peers if p.instance not in failed]):
                 continue
-            assert restart is not None
             log.warning("AFD: every layer has FfnWorkers again; restarting the engine")
             try:  # callers meanwhile get the failure's reason (the engine is down)
                 await restart()
