@@ -203,9 +203,10 @@ class Router(Component):
                                   self.state.pooled.num_blocks(w))
 
     def _on_load(self, w: int, item: Any) -> None:
-        self.state.set_load(w, EngineLoad.model_validate(item), time.monotonic())
+        now = time.monotonic()
+        self.state.set_load(w, EngineLoad.model_validate(item), now)
         self.metrics.prefill_tokens_per_second(
-            _label(w), 1.0 / self.state.rates(w).prefill_s_per_token)
+            _label(w), 1.0 / self.state.rates(w, now).prefill_s_per_token)
 
     async def _follow(self, w: int, endpoint_name: str,
                       handle: Callable[[int, Any], None]) -> None:
@@ -276,12 +277,12 @@ class Router(Component):
         decision, hashes, mode = self.route(request.token_ids, request.mode, request.workers,
                                             cache_salt_of(self.signer, request.tenant), now,
                                             request.slo_class)
-        pressure = self.pressure.summary(self.state, request.workers,  # before begin()
-                                         predicted_ttft_s=decision.ttft_s)
         # judged and counted in this one synchronous step: no other request sees the
         # pressure between this verdict and this request's begin()
-        w, overlap, verdict = decision.worker_id, decision.overlap_blocks, None
-        if request.admission is not None:
+        w, overlap, verdict, pressure = decision.worker_id, decision.overlap_blocks, None, None
+        if request.admission is not None:  # only a gated request needs the pressure (O(workers))
+            pressure = self.pressure.summary(self.state, request.workers,  # before begin()
+                                             predicted_ttft_s=decision.ttft_s)
             w, verdict = request.admission.place(pressure, w)
             if w != decision.worker_id:  # the cost's choice was over the thresholds
                 overlap = self.state.index.find_matches(hashes).get(w, 0)

@@ -364,7 +364,8 @@ class Processor(Component):
         fails before its first output, from the other candidates. A failure after the first
         output is raised as is (``migrating`` takes it from there). The worker in use is
         ``attempt.worker``; only ``attempt.allowed`` workers are asked."""
-        live = attempt.allowed(w for w in self.worker.instance_ids() if w in candidates)
+        among = set(candidates)
+        live = attempt.allowed(w for w in self.worker.instance_ids() if w in among)
         if self.config.router_mode == "random":
             self._rng.shuffle(live)
         else:

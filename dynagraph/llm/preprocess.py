@@ -252,7 +252,8 @@ class Preprocessor:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, add_special_tokens=add), prompt
         ids = self._token_ids(list(prompt), "prompt") or []
-        return ids, self.tokenizer.decode(ids, skip_special_tokens=False)
+        # the text is only echoed; decoding a long prompt costs more than the rest of its plan
+        return ids, self.tokenizer.decode(ids, skip_special_tokens=False) if request.echo else None
 
     def checked_token_ids(self, ids: list[int], param: str) -> list[int]:
         """``ids``, or InvalidRequest naming ``param`` if one is outside the vocabulary."""
@@ -262,6 +263,8 @@ class Preprocessor:
         if ids is None:
             return None
         vocab = self.tokenizer.vocab_size
+        if not ids or 0 <= min(ids) and max(ids) < vocab:
+            return ids
         for token_id in ids:
             if not 0 <= token_id < vocab:
                 raise InvalidRequest(

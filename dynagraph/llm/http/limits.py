@@ -76,6 +76,8 @@ def _text_bytes(value: object) -> int:
     if isinstance(value, int):
         return 4
     if isinstance(value, list | tuple):
+        if value and type(value[0]) is int:  # token ids (a validated prompt's lists are uniform)
+            return 4 * len(value)
         return sum(_text_bytes(v) for v in value)
     text = getattr(value, "text", None)
     return _text_bytes(text) if text is not None else 0

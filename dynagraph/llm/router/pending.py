@@ -53,6 +53,12 @@ class WorkerQueue:
         """Requests the worker received from elsewhere (None: no report yet)."""
 
     @property
+    def idle(self) -> bool:
+        """No request of this Router's on the worker: nothing queued, nothing decoding
+        (advancing an idle queue changes nothing: idle time is not banked)."""
+        return not self._jobs
+
+    @property
     def queued_tokens(self) -> float:
         """Prompt tokens forecast to be computed before a request arriving now starts."""
         return sum(j.remaining for j in self._jobs.values())

@@ -29,6 +29,7 @@ fleet is then priced like its peers, not like a guess.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from dynagraph.llm.engines.base import EngineLoad
@@ -165,16 +166,38 @@ def _median(values: list[float]) -> float:
     return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
 
 
+@dataclass(frozen=True, slots=True)
+class FleetRates:
+    """The fleet's speeds (geometric medians of the workers with data; None: nobody has
+    any yet), which a worker without data of its own takes."""
+
+    prefill_s_per_token: float | None = None
+    decode_step_s: float | None = None
+
+    def of(self, x: RateLearner) -> WorkerRates:
+        """``x``'s speeds: its own where it has data, else the fleet's, else its prior."""
+        p = self.prefill_s_per_token
+        d = self.decode_step_s
+        return WorkerRates(
+            prefill_s_per_token=x.prefill.value if x.prefill.seen > 0 or p is None else p,
+            decode_step_s=x.decode.value if x.decode.seen > 0 or d is None else d,
+            chunk_tokens=x.chunk_tokens)
+
+
+def fleet_medians(learners: Iterable[RateLearner]) -> FleetRates:
+    """The geometric medians of the learned speeds (one pass over the fleet)."""
+    prefill: list[float] = []
+    decode: list[float] = []
+    for x in learners:
+        if x.prefill.seen > 0:
+            prefill.append(math.log(x.prefill.value))
+        if x.decode.seen > 0:
+            decode.append(math.log(x.decode.value))
+    return FleetRates(math.exp(_median(prefill)) if prefill else None,
+                      math.exp(_median(decode)) if decode else None)
+
+
 def fleet_rates(learners: dict[int, RateLearner]) -> dict[int, WorkerRates]:
     """Each worker's speeds; a worker without data takes the fleet's (module docstring)."""
-    prefill = [math.log(x.prefill.value) for x in learners.values() if x.prefill.seen > 0]
-    decode = [math.log(x.decode.value) for x in learners.values() if x.decode.seen > 0]
-    fleet_p = math.exp(_median(prefill)) if prefill else None
-    fleet_d = math.exp(_median(decode)) if decode else None
-    out: dict[int, WorkerRates] = {}
-    for w, x in learners.items():
-        p = x.prefill.value if x.prefill.seen > 0 or fleet_p is None else fleet_p
-        d = x.decode.value if x.decode.seen > 0 or fleet_d is None else fleet_d
-        out[w] = WorkerRates(prefill_s_per_token=p, decode_step_s=d,
-                             chunk_tokens=x.chunk_tokens)
-    return out
+    fleet = fleet_medians(learners.values())
+    return {w: fleet.of(x) for w, x in learners.items()}

@@ -155,6 +155,37 @@ def test_load_reports_teach_speeds_and_correct_the_forecast() -> None:
     assert s.queues[A].decoding == 0
 
 
+def test_learned_speeds_refresh_at_most_every_half_second_while_time_is_given() -> None:
+    from dynagraph.llm.router.state import RATES_REFRESH_S
+
+    s = state_with(A, B)
+    slow = EngineLoad(prefill_tokens_total=2000, prefill_seconds_total=1.0)
+    prior = s.rates(A, now=0.0).prefill_s_per_token
+    s.set_load(A, slow, now=0.1)
+    assert s.all_rates(0.2)[A].prefill_s_per_token == prior  # cached: O(1) per decision
+    refreshed = s.all_rates(RATES_REFRESH_S)
+    assert refreshed[A].prefill_s_per_token > prior
+    assert refreshed[B] == refreshed[A]  # B has no data of its own: the fleet's (A's) speed
+    # without a time, or after the fleet changed, always as learned so far
+    s.set_load(A, EngineLoad(prefill_tokens_total=4000, prefill_seconds_total=3.0), now=0.6)
+    assert s.all_rates(0.7)[A] == refreshed[A]
+    assert s.all_rates()[A].prefill_s_per_token > refreshed[A].prefill_s_per_token
+    s.add_worker(0xC3)
+    assert 0xC3 in s.all_rates(0.8)
+
+
+def test_modes_that_ignore_load_do_not_forecast_it() -> None:
+    from dynagraph.llm.router.cost import WorkerLoad
+
+    s = state_with(A, B)
+    s.begin(A, [], key=1, uncached_tokens=500, now=1.0)
+    _, loads = s.inputs([], now=1.0, costed=False)
+    assert loads == {A: WorkerLoad(), B: WorkerLoad()}
+    assert s.decide(RouterMode.RANDOM, [], now=1.0).costs == {}
+    _, loads = s.inputs([], now=1.0)
+    assert loads[A].queued_tokens == 500
+
+
 def test_unhealthy_workers_are_avoided_and_removed_ones_forgotten() -> None:
     s = state_with(A, B)
     hashes = hasher.block_hashes(prompt(3, 4))
@@ -246,11 +277,7 @@ async def test_router_follows_workers_events_loads_settings_and_lease_expiry() -
             fake.q(w, "load_metrics").put_nowait(EngineLoad(kv_blocks_total=100).model_dump())
         await until(lambda: router.state.healthy == {a, b} and router.state.index.num_blocks(b) > 0)
         got = await _route(router, shared + prompt(6, 1))
-        pressure = got.pop("pressure")
         assert got == {"worker_id": b, "overlap_blocks": 6, "request_blocks": 7, "mode": "kv"}
-        ttfts = [p.pop("predicted_ttft_s") for p in pressure["workers"]]
-        assert all(t > 0 for t in ttfts)  # the time cost's prediction for each candidate
-        assert pressure == {"workers": [{"worker_id": w, "kv_usage": 0.0} for w in sorted((a, b))]}
 
         gen = router.generate(RouteRequest(token_ids=shared, mode=RouterMode.KV_LOAD))
         assert (await anext(gen))["mode"] == "kv-load"
@@ -298,7 +325,13 @@ async def test_tracked_request_counts_until_the_caller_closes() -> None:
         await router.stop()
 
 
-async def test_decisions_carry_the_pressure_before_the_request() -> None:
+async def test_gated_decisions_carry_the_pressure_before_the_request() -> None:
+    from dynagraph.llm.tenants.slo import default_slo_classes
+    from dynagraph.llm.tenants.slo_admission import SloAdmission, SloAdmissionConfig
+
+    gate = SloAdmission(SloAdmissionConfig(enabled=True, delay_at_requests=50,
+                                           shed_at_requests=90, delay_at_prefills=None),
+                        default_slo_classes()).gate("batch")
     store, fake = MemoryStore(), FakeWorkers()
     w = (await _worker(store)).instance_id
     router = await _router(store, fake)
@@ -307,8 +340,11 @@ async def test_decisions_carry_the_pressure_before_the_request() -> None:
         fake.q(w, "load_metrics").put_nowait(EngineLoad(
             running=3, waiting=2, kv_blocks_used=50, kv_blocks_total=200).model_dump())
         await until(lambda: w in router.state.healthy)
-        gens = [router.generate(RouteRequest(token_ids=prompt(i, 1), track=True))
-                for i in range(2)]
+        plain = router.generate(RouteRequest(token_ids=prompt(9, 1), track=True))
+        assert "pressure" not in await anext(plain)  # only a gated request needs it
+        await plain.aclose()  # type: ignore[attr-defined]
+        gens = [router.generate(RouteRequest(token_ids=prompt(i, 1), track=True,
+                                             admission=gate)) for i in range(2)]
         seen = [(await anext(g))["pressure"]["workers"][0] for g in gens]
         assert all(p.pop("predicted_ttft_s") > 0 for p in seen)
         # the first request may still be in prefill (forecast) when the second is decided
