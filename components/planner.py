@@ -7,9 +7,11 @@ an aggregated graph). Every ``metric-pulling-interval`` it samples the decode en
 load (their ``load_metrics`` streams, as the Router reads them) and the prefill-queue
 depth (NATS JetStream); every ``adjustment-interval`` it averages the samples
 (``dynagraph.planner.observer``), asks ``dynagraph.planner.policy.decide`` for the
-replica counts, and applies a change through the connector: ``EtcdScaleConnector``
-writes ``/{namespace}/scale/{Component}``, which ``dynamo serve`` follows (starting
-workers, or retiring them: a retired worker drains its requests first).
+replica counts (and between adjustments, ``surge`` for a scale-up judged on the last
+``surge-window`` seconds: up fast, down slow), and applies a change through the
+connector: ``EtcdScaleConnector`` writes ``/{namespace}/scale/{Component}``, which
+``dynamo serve`` follows (starting workers, or retiring them: a retired worker drains
+its requests first).
 
 A replica is one worker process (``engines-per-process`` engines). ``no-operation: true``
 decides and reports without scaling. The ``status`` endpoint returns the current targets,
@@ -30,7 +32,14 @@ from components.prefill_worker import PrefillWorker
 from components.worker import VllmWorker
 from dynagraph.aio import cancel_and_wait
 from dynagraph.errors import ConfigError, DynagraphError
-from dynagraph.planner import Decision, PlannerPolicy, PlannerState, Replicas, decide
+from dynagraph.planner import (
+    Decision,
+    PlannerPolicy,
+    PlannerState,
+    Replicas,
+    decide,
+    surge,
+)
 from dynagraph.planner.connector import Connector, EtcdScaleConnector
 from dynagraph.planner.kubernetes import SERVICE_ACCOUNT, KubernetesConnector, KubeScaleApi
 from dynagraph.planner.observer import LoadFollower, LoadWindow, Sample
@@ -142,6 +151,9 @@ class Planner(Component):
                 if time.monotonic() >= next_adjust:
                     next_adjust += self.config.adjustment_interval
                     await self._adjust()
+                elif (self.target is not None and self.policy.surge_window > 0
+                      and not self.config.no_operation):
+                    await self._surge()
             except (DynagraphError, TimeoutError) as exc:
                 log.warning("planner step failed: %s", exc)
             await asyncio.sleep(self.config.metric_pulling_interval)
@@ -154,35 +166,53 @@ class Planner(Component):
                 depth = (await self.queue.stats()).waiting
         self.window.add(Sample.of(self.follower.current(), depth))
 
-    async def _adjust(self) -> None:
+    async def _read_serving(self) -> Replicas:
         async with asyncio.timeout(5):
             decode = await self.connector.serving(self.decode_component)
             pc = self.prefill_component
             prefill = await self.connector.serving(pc) if pc is not None else 0
         self.serving = Replicas(prefill, decode)
-        obs = self.window.observe(decode, prefill)
+        return self.serving
+
+    async def _adjust(self) -> None:
+        serving = await self._read_serving()
+        obs = self.window.observe(serving.decode, serving.prefill)
         if self.target is None:  # the counts the graph started with, within the bounds
             p = self.policy
             self.target = Replicas(
-                min(max(prefill, p.min_prefill_replicas), p.max_prefill_replicas),
-                min(max(decode, p.min_decode_replicas), p.max_decode_replicas))
-        d = decide(self.policy, self.state, obs, self.target, self.serving)
-        self._record(d, obs)
+                min(max(serving.prefill, p.min_prefill_replicas), p.max_prefill_replicas),
+                min(max(serving.decode, p.min_decode_replicas), p.max_decode_replicas))
+        await self._apply(decide(self.policy, self.state, obs, self.target, serving), obs)
+
+    async def _surge(self) -> None:
+        """Between adjustments: a scale-up judged on the last ``surge-window`` seconds."""
+        assert self.target is not None
+        serving = await self._read_serving()
+        count = max(1, round(self.policy.surge_window / self.config.metric_pulling_interval))
+        obs = self.window.recent(count, serving.decode, serving.prefill)
+        d = surge(self.policy, self.state, obs, self.target, serving)
+        if d is not None:
+            await self._apply(d, obs, surged=True)
+
+    async def _apply(self, d: Decision, obs: Any, *, surged: bool = False) -> None:
+        assert self.target is not None
+        self._record(d, obs, surged=surged)
+        pc = self.prefill_component
         if d.changed and not self.config.no_operation:
             if d.target.decode != self.target.decode:
                 await self.connector.set_replicas(self.decode_component, d.target.decode)
             if pc is not None and d.target.prefill != self.target.prefill:
                 await self.connector.set_replicas(pc, d.target.prefill)
-            log.info("scaling: prefill %d -> %d (%s), decode %d -> %d (%s)",
-                     self.target.prefill, d.target.prefill, d.reasons[0],
-                     self.target.decode, d.target.decode, d.reasons[1])
+            log.info("scaling%s: prefill %d -> %d (%s), decode %d -> %d (%s)",
+                     " (surge)" if surged else "", self.target.prefill, d.target.prefill,
+                     d.reasons[0], self.target.decode, d.target.decode, d.reasons[1])
         self.state = d.state
         if not self.config.no_operation:
             self.target = d.target
 
-    def _record(self, d: Decision, obs: Any) -> None:
+    def _record(self, d: Decision, obs: Any, *, surged: bool = False) -> None:
         self.history.append({
-            "t": time.time(), "interval": self.state.interval,
+            "t": time.time(), "interval": self.state.interval, "surge": surged,
             "serving": [self.serving.prefill, self.serving.decode],
             "target": [d.target.prefill, d.target.decode], "reasons": list(d.reasons),
             "pressure": [round(x, 4) for x in d.pressure],

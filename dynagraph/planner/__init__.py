@@ -15,7 +15,8 @@ from dynagraph.planner.policy import (
     Replicas,
     decide,
     pressures,
+    surge,
 )
 
 __all__ = ["Decision", "Observation", "PlannerPolicy", "PlannerState", "Reason", "Replicas",
-           "decide", "pressures"]
+           "decide", "pressures", "surge"]

@@ -59,16 +59,26 @@ class LoadWindow:
     def observe(self, decode_replicas: int, prefill_replicas: int) -> Observation:
         """This interval's ``Observation`` (all zero without samples); empties the window."""
         samples, self.samples = self.samples, []
-        if not samples:
-            return Observation()
-        n = len(samples)
-        kv = [sum(s.kv_usage) / len(s.kv_usage) for s in samples if s.kv_usage]
-        return Observation(
-            decode_kv_usage=sum(kv) / len(kv) if kv else 0.0,
-            decode_waiting=sum(s.waiting for s in samples) / n / max(1, decode_replicas),
-            decode_running=sum(s.running for s in samples) / n / max(1, decode_replicas),
-            prefill_queue=sum(s.prefill_queue for s in samples) / n / max(1, prefill_replicas),
-        )
+        return _mean(samples, decode_replicas, prefill_replicas)
+
+    def recent(self, count: int, decode_replicas: int, prefill_replicas: int) -> Observation:
+        """The ``Observation`` of the last ``count`` samples (the window is kept)."""
+        return _mean(self.samples[-count:] if count > 0 else [], decode_replicas,
+                     prefill_replicas)
+
+
+def _mean(samples: list[Sample], decode_replicas: int, prefill_replicas: int) -> Observation:
+    """The mean load of ``samples``, per serving replica (at least one)."""
+    if not samples:
+        return Observation()
+    n = len(samples)
+    kv = [sum(s.kv_usage) / len(s.kv_usage) for s in samples if s.kv_usage]
+    return Observation(
+        decode_kv_usage=sum(kv) / len(kv) if kv else 0.0,
+        decode_waiting=sum(s.waiting for s in samples) / n / max(1, decode_replicas),
+        decode_running=sum(s.running for s in samples) / n / max(1, decode_replicas),
+        prefill_queue=sum(s.prefill_queue for s in samples) / n / max(1, prefill_replicas),
+    )
 
 
 class LoadFollower:

@@ -34,3 +34,12 @@ def test_no_replicas_count_as_one() -> None:
     w = LoadWindow()
     w.add(Sample.of([], prefill_queue=3))
     assert w.observe(decode_replicas=0, prefill_replicas=0).prefill_queue == 3.0
+
+
+def test_recent_averages_the_last_samples_and_keeps_the_window() -> None:
+    w = LoadWindow()
+    for waiting in (0, 0, 4, 8):
+        w.add(Sample.of([load(8, waiting, 50)]))
+    assert w.recent(2, decode_replicas=2, prefill_replicas=0).decode_waiting == 6 / 2
+    assert w.recent(0, 2, 0) == Observation()
+    assert w.observe(1, 0).decode_waiting == 3.0  # all four samples were kept

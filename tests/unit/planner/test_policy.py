@@ -14,6 +14,7 @@ from dynagraph.planner import (
     Replicas,
     decide,
     pressures,
+    surge,
 )
 
 
@@ -242,3 +243,34 @@ def test_while_starting_a_larger_step_catches_up_with_the_load() -> None:
     d = decide(pol(), PlannerState(), Observation(decode_waiting=7.0), Replicas(0, 2),
                Replicas(0, 1))
     assert (d.target.decode, d.reasons[1]) == (2, "settling")
+
+
+def test_a_surge_only_adds_replicas_and_ignores_cooldown() -> None:
+    p = pol(max_step_up=3, decode_waiting_scale_up=2.0, cooldown_intervals=2)
+    state = PlannerState(interval=4, last_change=(None, 3))  # decode changed last interval
+    # an adjustment would hold decode in cooldown; a surge does not
+    assert decide(p, state, Observation(decode_waiting=6.0), Replicas(0, 1),
+                  Replicas(0, 1)).reasons[1] == "cooldown"
+    d = surge(p, state, Observation(decode_waiting=6.0), Replicas(0, 1), Replicas(0, 1))
+    assert d is not None and (d.target, d.reasons[1]) == (Replicas(0, 3), "up")
+    # counted as a change of the adjustment just made; the interval count is kept
+    assert d.state.interval == 4 and d.state.last_change == (None, 3)
+    assert d.state.last_decode_up == 3
+    # no pressure, or a load that only calls for fewer replicas: nothing
+    assert surge(p, state, Observation(decode_waiting=1.0), Replicas(0, 2),
+                 Replicas(0, 2)) is None
+    assert surge(p, state, IDLE, Replicas(2, 3), Replicas(2, 3)) is None
+
+
+def test_a_surge_keeps_the_prefill_trend_of_the_adjustments() -> None:
+    p = pol(max_step_up=2, prefill_queue_scale_up=2.0, prefill_trend_intervals=3)
+    state = PlannerState(interval=2, prev_prefill_queue=1.0)
+    d = surge(p, state, Observation(prefill_queue=5.0), Replicas(1, 1), Replicas(1, 1))
+    assert d is not None and d.target == Replicas(3, 1)
+    assert d.state.prev_prefill_queue == 1.0 and d.state.last_change == (1, None)
+
+
+def test_a_surge_is_off_with_no_window() -> None:
+    p = pol(surge_window=0)
+    assert surge(p, PlannerState(), Observation(decode_waiting=9.0), Replicas(0, 1),
+                 Replicas(0, 1)) is None
