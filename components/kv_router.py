@@ -27,19 +27,28 @@ size, hash algorithm and seed that the workers publish in their discovery metada
 
 SLO classes (``RouteRequest.slo_class``): ``class-overlap-weights`` scales the overlap
 weight per class (``interactive`` weighs queueing more than a cache hit, ``batch`` less);
-each decision carries the candidates' pressure (``dynagraph.llm.router.pressure``); a
-request that comes with an admission ``Gate`` (the Processor's SLO-aware admission) is
-judged against it (and placed on the least pressured candidate if the cost's choice is
-over its thresholds) and counted only if admitted, in the same step, so the check and
-the count cannot be raced (``dynagraph.llm.tenants.slo_admission``).
+a request that comes with an admission ``Gate`` (the Processor's SLO-aware admission) is
+judged against the candidates' pressure (``dynagraph.llm.router.pressure``, carried back
+in its decision; placed on the least pressured candidate if the cost's choice is over
+its thresholds) and counted only if admitted, in the same step, so the check and the
+count cannot be raced (``dynagraph.llm.tenants.slo_admission``).
+
+Rebalancing (``rebalance-wait``): on load reports, at most every ``REBALANCE_EVERY_S``,
+workers whose waiting requests would wait for a place longer than ``rebalance-wait``
+seconds while places are free elsewhere are asked (their ``release`` endpoint) to hand
+the newest of them back; the Processor places them again (``dynagraph.llm.router.
+rebalance``). A burst's requests no longer stay queued on the workers that were there
+when new ones come up.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
+import math
 import random
 import time
 from collections.abc import AsyncIterator, Callable, Collection
@@ -68,6 +77,7 @@ from dynagraph.llm.router.pressure import (
     PressureView,
     class_overlap_weight,
 )
+from dynagraph.llm.router.rebalance import releases
 from dynagraph.llm.tenants import Signer, cache_salt_of
 from dynagraph.llm.tenants.slo_admission import Action
 from dynagraph.observability.router_metrics import RouterMetrics
@@ -84,6 +94,10 @@ from dynagraph.sdk import (
 
 log = logging.getLogger(__name__)
 
+REBALANCE_EVERY_S = 0.25
+"""Rebalancing is judged at most this often (on load reports)."""
+REASK_AFTER_S = 1.0
+"""A worker asked to hand requests back is not asked again for this long."""
 DEFAULT_POOL_BLOCK_SECONDS = 0.0001
 """Loading one 32-token block of the tiny model from the host pool (0.1 ms, measured by
 ``benchmarks/kv_offload.py``); a larger model's block costs more, but so does computing it."""
@@ -111,6 +125,10 @@ class RouterConfig(ConfigModel):
     class_overlap_weights: dict[str, float] = Field(
         default_factory=lambda: dict(DEFAULT_CLASS_OVERLAP_WEIGHTS))
     """SLO class -> factor on ``overlap-weight`` for its requests (unlisted: 1)."""
+    rebalance_wait: float | None = Field(default=1.0, gt=0.0)
+    """Seconds a request may be expected to wait for a place in its worker's batch while
+    places are free on others; those that would wait longer are handed back and placed
+    again (``dynagraph.llm.router.rebalance``). null: never."""
 
     @field_validator("class_overlap_weights")
     @classmethod
@@ -146,6 +164,9 @@ class Router(Component):
         self._keys = itertools.count()
         self._watch: Any = None
         self._settings_task: asyncio.Task[None] | None = None
+        self._rebalanced_at = -math.inf
+        self._asked: dict[int, float] = {}  # worker -> when it was last asked to hand back
+        self._releases: set[asyncio.Task[None]] = set()
 
     def mode_for(self, requested: RouterMode | None) -> RouterMode:
         """A live etcd mode wins, then the request's, then the config's."""
@@ -207,6 +228,35 @@ class Router(Component):
         self.state.set_load(w, EngineLoad.model_validate(item), now)
         self.metrics.prefill_tokens_per_second(
             _label(w), 1.0 / self.state.rates(w, now).prefill_s_per_token)
+        self._rebalance(now)
+
+    def _rebalance(self, now: float) -> None:
+        """At most every ``REBALANCE_EVERY_S``: have workers hand back the requests that
+        would wait for a place longer than ``rebalance-wait`` while places are free
+        elsewhere. A worker asked is not asked again for ``REASK_AFTER_S`` (its reports
+        must first show what it handed back)."""
+        wait = self.config.rebalance_wait
+        if wait is None or now - self._rebalanced_at < REBALANCE_EVERY_S:
+            return
+        self._rebalanced_at = now
+        views = [v if now - self._asked.get(v.worker_id, -math.inf) >= REASK_AFTER_S
+                 else dataclasses.replace(v, waiting=0)
+                 for v in self.state.queue_views(now)]
+        for w, count in releases(views, min_wait_s=wait).items():
+            self._asked[w] = now
+            self.metrics.rebalanced(_label(w), count)
+            task = asyncio.create_task(self._release(w, count), name=f"release-{w:x}")
+            self._releases.add(task)
+            task.add_done_callback(self._releases.discard)
+
+    async def _release(self, w: int, count: int) -> None:
+        try:
+            async with asyncio.timeout(5):
+                async for reply in self.worker.direct({"count": count}, w, endpoint="release"):
+                    log.debug("worker %x handed back %s of %d waiting requests", w,
+                              reply.get("released"), count)
+        except (DynagraphError, TimeoutError) as exc:  # an older worker, or it just left
+            log.debug("worker %x release: %s", w, exc)
 
     async def _follow(self, w: int, endpoint_name: str,
                       handle: Callable[[int, Any], None]) -> None:
@@ -244,7 +294,7 @@ class Router(Component):
     @async_on_shutdown
     async def stop(self) -> None:
         await cancel_and_wait([t for ts in self._tasks.values() for t in ts]
-                              + [self._settings_task])
+                              + [self._settings_task, *self._releases])
         self._tasks.clear()
         if self._watch is not None:
             await self._watch.close()
@@ -313,5 +363,5 @@ class Router(Component):
                 await asyncio.sleep(self.config.track_timeout)
         finally:
             if track:
-                self.state.end(w, hashes, key)
+                self.state.end(w, hashes, key, now=time.monotonic())
                 self.pressure.end(w)

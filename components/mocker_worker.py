@@ -13,6 +13,8 @@ tell the difference:
 - ``load_metrics``: ``EngineLoad`` sampled every ``load-metrics-interval`` s, sent only
   when it changed (an idle engine's stream is quiet; 256 idle engines do not send 2,560
   messages a second to the Router).
+- ``release``: as VllmWorker's (requests waiting for a place handed back on the Router's
+  request).
 - ``prefill_done``: a ``MockerPrefillWorker`` hands over a remote prefill (graph
   ``graphs/mocker_disagg.py``, ``remote-prefill: true``); the engine then waits the
   simulated transfer (``kv-transfer-bandwidth-gbps``) and counts it in
@@ -46,7 +48,7 @@ from pydantic import Field
 
 from components.mocker_prefill_worker import KV_FETCHED_ENDPOINT, KvFetched
 from components.prefill_worker import PrefillWorker
-from components.worker import DecodeWorkerEndpoints, VllmWorker, engine_stream
+from components.worker import DecodeWorkerEndpoints, VllmWorker
 from dynagraph.errors import RequestPlaneError
 from dynagraph.llm.disagg import DecodeDisaggKeys
 from dynagraph.llm.disagg.decode import DecodeDisagg
@@ -156,7 +158,7 @@ class MockerWorker(DecodeWorkerEndpoints):
             if plan.result is not None and kv_params is not None:
                 self._producers[str(kv_params.get("remote_engine_id"))] = (
                     plan.result.prefill_instance)
-        async for msg in engine_stream(self.engine, request, kv_params, salt):
+        async for msg in self._stream(request, kv_params, salt):
             yield msg
 
     def _kv_feed(self) -> KvEventFeed | None:

@@ -10,6 +10,10 @@ Router feeds (``components/kv_router.py`` subscribes to both):
   ``KvEventRelay`` in this process (bound on 127.0.0.1, vLLM connects); the stream
   is a snapshot of the worker's block set, then net deltas (``RelayBatch``).
 - ``load_metrics``: the engine's ``EngineLoad`` every ``load-metrics-interval`` s.
+- ``release``: the Router's rebalancing asks for up to ``count`` of the requests waiting
+  for a place in the engine's batch; the newest are handed back (their streams end with
+  ``Requeued`` before any output, ``dynagraph.llm.waiting``) and the Processor places
+  them again.
 
 Disaggregated prefill (graph ``graphs/disagg.py`` links ``PrefillWorker``; config
 ``remote-prefill: true``): per request ``DecodeDisagg.plan`` decides local or remote
@@ -30,13 +34,12 @@ import asyncio
 import logging
 import os
 from collections.abc import AsyncIterator
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from components.ffn_worker import FfnWorker
 from components.prefill_worker import PrefillWorker
 from dynagraph.aio import aclose, cancel_and_wait
 from dynagraph.errors import ConfigError, EngineError
-from dynagraph.llm.afd.attach import AfdAttachment
 from dynagraph.llm.afd.settings import AfdOptions
 from dynagraph.llm.disagg import DecodeDisaggKeys, PrefillResult
 from dynagraph.llm.disagg.decode import DecodeDisagg
@@ -49,7 +52,7 @@ from dynagraph.llm.models import served_model_metadata
 from dynagraph.llm.protocol import LLMEngineOutput, PreprocessedRequest
 from dynagraph.llm.router.hashing import BlockHasher, seed_from_env
 from dynagraph.llm.tenants import Signer, cache_salt_of
-from dynagraph.observability.afd_metrics import register_engine_afd
+from dynagraph.llm.waiting import WaitingRequests
 from dynagraph.observability.worker_metrics import register_engine_load
 from dynagraph.runtime.live_settings import LiveSpec
 from dynagraph.sdk import (
@@ -60,6 +63,9 @@ from dynagraph.sdk import (
     endpoint,
     service,
 )
+
+if TYPE_CHECKING:
+    from dynagraph.llm.afd.attach import AfdAttachment
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +98,29 @@ class DecodeWorkerEndpoints(Component):
 
     def _kv_feed(self) -> KvEventFeed | None:
         raise NotImplementedError
+
+    @property
+    def waiting(self) -> WaitingRequests:
+        """Requests without output yet, which ``release`` can hand back."""
+        found: WaitingRequests | None = self.__dict__.get("_waiting")
+        if found is None:
+            found = self.__dict__["_waiting"] = WaitingRequests()
+        return found
+
+    def _stream(self, request: PreprocessedRequest, kv_params: dict[str, Any] | None,
+                salt: str | None) -> AsyncIterator[dict[str, Any]]:
+        """``engine_stream``; a request prefilled here (not remotely: its prefill is
+        already paid for elsewhere) can be handed back until its first output."""
+        return engine_stream(self.engine, request, kv_params, salt,
+                             waiting=self.waiting if kv_params is None else None)
+
+    @endpoint()
+    async def release(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """Hand back up to ``count`` of the requests waiting for a place, the newest first
+        (the Router's rebalancing): their streams end with ``Requeued`` before any output
+        and the Processor places them again."""
+        count = min(int(request.get("count", 0)), self.engine.load().waiting)
+        yield {"released": len(self.waiting.release(count))}
 
     @endpoint()
     async def prefill_done(self, result: PrefillResult) -> AsyncIterator[dict[str, Any]]:
@@ -148,7 +177,9 @@ class VllmWorker(DecodeWorkerEndpoints):
         self.engine = VllmEngine(config)
         self.afd: AfdAttachment | None = None
         self._afd_task: asyncio.Task[None] | None = None
-        if self.ffn is not None:
+        if self.ffn is not None:  # AFD (torch): imported only by a worker that uses it
+            from dynagraph.llm.afd.attach import AfdAttachment
+
             ffn_info = self.ffn.endpoint("info")
             self.afd = AfdAttachment(config.afd, config.model, ffn_info.instances)
 
@@ -167,6 +198,8 @@ class VllmWorker(DecodeWorkerEndpoints):
         register_engine_load(self.engine.load, worker=f"{self.runtime.instance_id:x}",
                              registry=self.runtime.registry)
         if self.afd is not None:
+            from dynagraph.observability.afd_metrics import register_engine_afd
+
             register_engine_afd(self.afd.stats, worker=f"{self.runtime.instance_id:x}",
                                 registry=self.runtime.registry)
         self.runtime.metadata.update(served_model_metadata(self.config, self.engine.max_model_len))
@@ -208,7 +241,7 @@ class VllmWorker(DecodeWorkerEndpoints):
             plan = await self.disagg.plan(request.request_id, request.token_ids,
                                           s.temperature, s.seed, salt)
             kv_params = plan.kv_transfer_params
-        stream = engine_stream(self.engine, request, kv_params, salt)
+        stream = self._stream(request, kv_params, salt)
         try:
             async for msg in stream:
                 if (self.afd is not None and msg.get("finish_reason") == "abort"
@@ -232,16 +265,30 @@ def _hash_algo(config: VllmEngineArgs) -> Any:
 
 
 async def engine_stream(engine: Engine, request: PreprocessedRequest,
-                        kv_params: dict[str, Any] | None, cache_salt: str | None = None
+                        kv_params: dict[str, Any] | None, cache_salt: str | None = None,
+                        waiting: WaitingRequests | None = None
                         ) -> AsyncIterator[dict[str, Any]]:
     """``request`` through ``engine``, as the ``generate`` endpoint's wire messages
-    (``LLMEngineOutput``; prompt and cached token counts on the first and last)."""
+    (``LLMEngineOutput``; prompt and cached token counts on the first and last).
+    With ``waiting``, the request can be handed back until its first output
+    (``Requeued``)."""
     first = True
     outs = engine.generate(request.request_id, request.token_ids,
                            to_sampling_spec(request, cache_salt),
                            kv_transfer_params=kv_params)
     try:
-        async for out in outs:
+        out: Any = None
+        if waiting is not None:
+            try:
+                out = await waiting.first(request.request_id, outs)
+            except StopAsyncIteration:
+                return
+        while True:
+            if out is None:
+                try:
+                    out = await anext(outs)
+                except StopAsyncIteration:
+                    return
             msg = LLMEngineOutput(token_ids=out.token_ids, finish_reason=out.finish_reason)
             if out.index or out.logprobs is not None or out.prompt_logprobs is not None:
                 msg.index, msg.logprobs = out.index, out.logprobs
@@ -250,6 +297,7 @@ async def engine_stream(engine: Engine, request: PreprocessedRequest,
                 msg.prompt_tokens = out.num_prompt_tokens
                 msg.cached_tokens = out.num_cached_tokens
                 first = False
+            out = None
             yield msg.to_wire()
     finally:
         await aclose(outs)  # closing early aborts the request in the engine, now

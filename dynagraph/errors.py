@@ -122,10 +122,15 @@ class RequestShed(DynagraphError):
         super().__init__(message)
 
 
+class Requeued(DynagraphError):
+    """A worker handed back a request that had not started (no output yet), for the
+    caller to place again (the Router's rebalancing: a place is free elsewhere)."""
+
+
 # Errors that may cross the request plane and be re-raised as their own type on the
 # caller side (instead of a generic RemoteError), keyed by class name.
 WIRE_ERRORS: dict[str, type[DynagraphError]] = {
     cls.__name__: cls
     for cls in (InvalidRequest, PromptTooLong, EngineError, NoInstancesError, StreamBroken,
-                RequestShed)
+                RequestShed, Requeued)
 }

@@ -15,7 +15,10 @@ output is the uninterrupted one, token for token. A request with ``n`` choices c
 as one single-choice request per unfinished choice, re-tagged with its ``index``.
 
 After ``limit`` migrations the failure is raised as :class:`MigrationExhausted` (503),
-never a silently short answer. Errors that are the *request's* fault (``InvalidRequest``,
+never a silently short answer. A request its worker hands back before its first
+output (``Requeued``: the Router's rebalancing found it a free place elsewhere) is placed
+again as it is, not counted as a migration (up to ``MAX_REQUEUES`` times). Errors that
+are the *request's* fault (``InvalidRequest``,
 ...) are raised at once. The workers that failed the request are avoided while another
 live worker exists (``Attempt.allowed``; when every one has failed, the one that failed
 longest ago is tried again: a worker that stalled, its lease lost to CPU starvation, may
@@ -34,10 +37,14 @@ from typing import Any
 import msgspec
 
 from dynagraph.aio import aclose
-from dynagraph.errors import InstanceUnavailable, NoInstancesError, StreamBroken
+from dynagraph.errors import InstanceUnavailable, NoInstancesError, Requeued, StreamBroken
 from dynagraph.llm.protocol import PreprocessedRequest
 
 log = logging.getLogger(__name__)
+
+MAX_REQUEUES = 8
+"""Times one request may be handed back (``Requeued``) and placed again; past that a hand
+back counts as a worker failure (a migration)."""
 
 WORKER_FAILURES: tuple[type[Exception], ...] = (StreamBroken, InstanceUnavailable)
 """Failures of the worker, not of the request: the request may go on elsewhere. (An
@@ -96,11 +103,13 @@ async def migrating(request: PreprocessedRequest, dispatch: Dispatch, *, limit: 
     n = _num_choices(request)
     choices = [_Choice() for _ in range(n)]
     attempt = earlier.after() if earlier is not None else Attempt()
-    migrations = 0
+    migrations = requeues = 0
     current = request
     first = True
     while True:
         stream = dispatch(current, attempt)
+        requeued = False
+        failure: Exception
         try:
             async for out in stream:
                 index = out.get("index", 0) if n > 1 else 0
@@ -113,10 +122,21 @@ async def migrating(request: PreprocessedRequest, dispatch: Dispatch, *, limit: 
                     out.pop("cached_tokens", None)
                 yield out
             return
+        except Requeued as exc:  # handed back before its first output: place it again
+            failure, requeued = exc, True
         except WORKER_FAILURES as exc:
-            failure: Exception = exc
+            failure = exc
         finally:
             await aclose(stream)
+        if requeued and requeues < MAX_REQUEUES:
+            requeues += 1
+            log.debug("request %s: handed back by worker %s; placing it again (%d)",
+                      request.request_id, f"{attempt.worker:x}" if attempt.worker else "?",
+                      requeues)
+            current = msgspec.structs.replace(current,
+                                              request_id=f"{request.request_id}-q{requeues}")
+            attempt = attempt.after()
+            continue
         if attempt.worker is not None:
             attempt.failed(attempt.worker)
         generated = any(c.tokens for c in choices)

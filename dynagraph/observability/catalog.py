@@ -166,6 +166,9 @@ CATALOG: tuple[MetricSpec, ...] = (
     _m("dynamo_router_worker_prefill_tokens_per_second", "gauge",
        "Prefill speed the Router learned for a worker (prompt tokens per engine second)",
        ("worker",), ROUTER, "agg_router"),
+    _m("dynamo_router_rebalanced_requests_total", "counter",
+       "Waiting requests a worker was asked to hand back for a free place elsewhere "
+       "(rebalance-wait)", ("worker",), ROUTER, "agg_router"),
     # Disaggregation, decode side (dynagraph/observability/disagg_metrics.py).
     _m("dynamo_worker_prefill_requests_total", "counter",
        "Prefills by where they ran (local, remote, fallback = wanted remote, ran local) "

@@ -9,6 +9,7 @@ The Router component builds one set from its runtime's registry::
     self.metrics.kv_event_batch(f"{wid:x}")
     self.metrics.index_blocks(f"{wid:x}", blocks, pooled_blocks)
     self.metrics.prefill_tokens_per_second(f"{wid:x}", tokens_per_s)
+    self.metrics.rebalanced(f"{wid:x}", count)
     self.metrics.forget_worker(f"{wid:x}")
 """
 
@@ -30,6 +31,7 @@ class RouterMetrics:
         self.batches = counter("dynamo_router_kv_event_batches_total", registry)
         self.predicted_ttft = histogram("dynamo_router_predicted_ttft_seconds", registry)
         self.prefill_speed = gauge("dynamo_router_worker_prefill_tokens_per_second", registry)
+        self.rebalanced_requests = counter("dynamo_router_rebalanced_requests_total", registry)
 
     def decision(self, *, mode: str, worker: str, request_blocks: int, overlap_blocks: int,
                  seconds: float, predicted_ttft: float | None = None) -> None:
@@ -44,6 +46,10 @@ class RouterMetrics:
 
     def prefill_tokens_per_second(self, worker: str, value: float) -> None:
         self.prefill_speed.labels(worker).set(value)
+
+    def rebalanced(self, worker: str, count: int) -> None:
+        """``worker`` was asked to hand back ``count`` waiting requests."""
+        self.rebalanced_requests.labels(worker).inc(count)
 
     def kv_event_batch(self, worker: str, count: int = 1) -> None:
         self.batches.labels(worker).inc(count)

@@ -127,6 +127,8 @@ class EngineLoad(BaseModel):
     """Seconds of those steps."""
     max_num_batched_tokens: int = 0
     """Tokens one step computes at most (longer prompts take several steps)."""
+    max_num_seqs: int = 0
+    """Requests the engine runs at once; more wait for a place (0 = not known)."""
     nominal_prefill_tokens_per_s: float | None = None
     """The engine's own idea of its prefill speed (a simulated engine's profile)."""
     nominal_decode_step_s: float | None = None

@@ -389,8 +389,9 @@ class VllmEngine:
         self._max_model_len = int(llm.model_config.max_model_len)
         self._num_blocks[0] = int(llm.vllm_config.cache_config.num_gpu_blocks or 0)
         self._tracker.set_total(self._num_blocks[0])
-        self._tracker.set_max_batched_tokens(
-            int(llm.vllm_config.scheduler_config.max_num_batched_tokens or 0))
+        scheduler = llm.vllm_config.scheduler_config
+        self._tracker.set_limits(batched_tokens=int(scheduler.max_num_batched_tokens or 0),
+                                 seqs=int(scheduler.max_num_seqs or 0))
         if self.args.kv_offload_gib > 0 and self.args.kv_compression != "none":
             await self._guard_compression()
         if self.args.warmup:

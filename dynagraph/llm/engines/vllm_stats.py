@@ -104,9 +104,11 @@ class LoadTracker:
         with self._lock:
             self._load = self._load.model_copy(update={"kv_blocks_total": total})
 
-    def set_max_batched_tokens(self, tokens: int) -> None:
+    def set_limits(self, *, batched_tokens: int, seqs: int) -> None:
+        """The scheduler's limits: tokens per step, requests at once (0 = not known)."""
         with self._lock:
-            self._load = self._load.model_copy(update={"max_num_batched_tokens": tokens})
+            self._load = self._load.model_copy(update={"max_num_batched_tokens": batched_tokens,
+                                                       "max_num_seqs": seqs})
 
     def get(self) -> EngineLoad:
         with self._lock:

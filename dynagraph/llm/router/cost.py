@@ -13,7 +13,15 @@ seconds per decode step, ``C`` prompt tokens per step at most)::
     queue   = queued_tokens * p                    # prompt tokens the worker computes first
     steps   = ceil((queued_tokens + uncached) / C)
     decode  = steps * d  if the worker is decoding anything, else 0
-    cost    = overlap_weight * own + queue + decode
+    slot    = max(active - S + 1, 0) * r / S       # waiting for a place in a full batch
+    cost    = overlap_weight * own + queue + decode + slot
+
+  ``slot``: a worker that runs at most ``S`` requests at once (its ``max_num_seqs``; 0 =
+  unknown, no term) and has ``active`` requests (running and waiting) starts a new one
+  only when enough of them end; with ``r`` the learned seconds a request stays there,
+  one place frees every ``r / S`` s on average. Without it a worker whose batch was full
+  but whose prefill queue was empty looked free: a request routed there for its cached
+  prefix waited seconds for a place while new workers stood idle (the Planner's bursts).
 
   Every term is in seconds, so nothing needs tuning: a cached prefix is worth exactly
   the prefill time it saves, against the time spent waiting behind other work.
@@ -85,6 +93,8 @@ class WorkerLoad:
     waiting_requests: int = 0  # informational
     queued_tokens: float = 0.0  # prompt tokens it computes before a new request's (``time``)
     decoding: int = 0  # sequences decoding: each prefill step also runs them (``time``)
+    active: int = 0  # requests running or waiting there (``time``)
+    slots: int = 0  # requests it runs at once (``max_num_seqs``); 0 = unknown (``time``)
 
 
 @dataclass(frozen=True)
@@ -119,7 +129,10 @@ def predicted_ttft(load: WorkerLoad, rates: WorkerRates, *, uncached_tokens: int
     work = load.queued_tokens + uncached_tokens
     steps = math.ceil(work / rates.chunk_tokens) if rates.chunk_tokens > 0 else 1
     decode = max(steps, 1) * rates.decode_step_s if load.decoding > 0 else 0.0
-    return overlap_weight * own + queue + decode, own + queue + decode
+    ahead = load.active - load.slots + 1
+    slot = ahead * rates.request_s / load.slots if load.slots > 0 and ahead > 0 else 0.0
+    wait = queue + decode + slot
+    return overlap_weight * own + wait, own + wait
 
 
 def _argmin(costs: dict[int, float], rng: random.Random) -> int:

@@ -34,6 +34,8 @@ class _Job:
     """Prompt tokens the worker must compute for it."""
     remaining: float
     """Prompt tokens still to compute, as forecast; 0 once decoding."""
+    at: float = 0.0
+    """When it was routed."""
 
 
 class WorkerQueue:
@@ -96,12 +98,19 @@ class WorkerQueue:
             self._now = now
         self.finish(key)
         t = max(float(tokens), 0.0)
-        self._jobs[key] = _Job(seq=self._routed, tokens=t, remaining=t)
+        self._jobs[key] = _Job(seq=self._routed, tokens=t, remaining=t, at=now)
         self._routed += 1
 
-    def finish(self, key: int) -> None:
-        """The request ended (or was cancelled): it is neither queued nor decoding."""
-        self._jobs.pop(key, None)
+    def finish(self, key: int) -> float | None:
+        """The request ended (or was cancelled): it is neither queued nor decoding.
+        Returns when it was routed (None: not in the queue)."""
+        job = self._jobs.pop(key, None)
+        return job.at if job is not None else None
+
+    @property
+    def size(self) -> int:
+        """This Router's requests on the worker (queued, in prefill or decoding)."""
+        return len(self._jobs)
 
     def reconcile(self, requests_total: int, prefilling: int) -> None:
         """Correct the forecast with a report: the worker has received ``requests_total``

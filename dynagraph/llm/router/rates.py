@@ -43,6 +43,9 @@ class WorkerRates:
     decode_step_s: float
     chunk_tokens: int
     """Prompt tokens per step at most; 0 = unknown (the prefill counts as one step)."""
+    request_s: float = 2.0
+    """Seconds a request stays on the worker, from routing to its end (how often a full
+    batch frees a place)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +61,7 @@ class RatePriors:
     prefill_s_per_token: float = 1e-4
     decode_step_s: float = 0.005
     chunk_tokens: int = 2048
+    request_s: float = 2.0
 
 
 class RobustEwma:
@@ -120,6 +124,8 @@ class RobustEwma:
 PREFILL_HALF_LIFE_TOKENS = 16384.0
 """About 5-10 long prompts: quick to follow a machine that slows down, slow to be fooled."""
 DECODE_HALF_LIFE_STEPS = 200.0
+REQUEST_HALF_LIFE = 32.0
+"""Requests: the time a request stays follows the workload's output lengths."""
 
 
 class RateLearner:
@@ -130,8 +136,13 @@ class RateLearner:
         self.priors = p
         self.prefill = RobustEwma(p.prefill_s_per_token, PREFILL_HALF_LIFE_TOKENS)
         self.decode = RobustEwma(p.decode_step_s, DECODE_HALF_LIFE_STEPS)
+        self.request = RobustEwma(p.request_s, REQUEST_HALF_LIFE, max_ratio=10.0)
         self.chunk_tokens = p.chunk_tokens
         self._prev: EngineLoad | None = None
+
+    def request_ended(self, seconds: float) -> None:
+        """A request routed here ended after ``seconds`` (routing to its end)."""
+        self.request.observe(seconds)
 
     def observe(self, load: EngineLoad) -> None:
         """Learn from the counters' increase since the previous sample (the first sample
@@ -157,7 +168,8 @@ class RateLearner:
 
     def rates(self) -> WorkerRates:
         return WorkerRates(prefill_s_per_token=self.prefill.value,
-                           decode_step_s=self.decode.value, chunk_tokens=self.chunk_tokens)
+                           decode_step_s=self.decode.value, chunk_tokens=self.chunk_tokens,
+                           request_s=self.request.value)
 
 
 def _median(values: list[float]) -> float:
@@ -173,28 +185,32 @@ class FleetRates:
 
     prefill_s_per_token: float | None = None
     decode_step_s: float | None = None
+    request_s: float | None = None
 
     def of(self, x: RateLearner) -> WorkerRates:
         """``x``'s speeds: its own where it has data, else the fleet's, else its prior."""
-        p = self.prefill_s_per_token
-        d = self.decode_step_s
         return WorkerRates(
-            prefill_s_per_token=x.prefill.value if x.prefill.seen > 0 or p is None else p,
-            decode_step_s=x.decode.value if x.decode.seen > 0 or d is None else d,
-            chunk_tokens=x.chunk_tokens)
+            prefill_s_per_token=_own_or(x.prefill, self.prefill_s_per_token),
+            decode_step_s=_own_or(x.decode, self.decode_step_s),
+            chunk_tokens=x.chunk_tokens,
+            request_s=_own_or(x.request, self.request_s))
+
+
+def _own_or(own: RobustEwma, fleet: float | None) -> float:
+    return own.value if own.seen > 0 or fleet is None else fleet
+
+
+def _geometric_median(values: Iterable[RobustEwma]) -> float | None:
+    logs = [math.log(e.value) for e in values if e.seen > 0]
+    return math.exp(_median(logs)) if logs else None
 
 
 def fleet_medians(learners: Iterable[RateLearner]) -> FleetRates:
-    """The geometric medians of the learned speeds (one pass over the fleet)."""
-    prefill: list[float] = []
-    decode: list[float] = []
-    for x in learners:
-        if x.prefill.seen > 0:
-            prefill.append(math.log(x.prefill.value))
-        if x.decode.seen > 0:
-            decode.append(math.log(x.decode.value))
-    return FleetRates(math.exp(_median(prefill)) if prefill else None,
-                      math.exp(_median(decode)) if decode else None)
+    """The geometric medians of the learned speeds."""
+    fleet = list(learners)
+    return FleetRates(_geometric_median(x.prefill for x in fleet),
+                      _geometric_median(x.decode for x in fleet),
+                      _geometric_median(x.request for x in fleet))
 
 
 def fleet_rates(learners: dict[int, RateLearner]) -> dict[int, WorkerRates]:

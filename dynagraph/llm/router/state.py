@@ -22,6 +22,7 @@ from dynagraph.llm.router.events import RelayBatch
 from dynagraph.llm.router.index import PrefixIndex
 from dynagraph.llm.router.pending import WorkerQueue
 from dynagraph.llm.router.rates import RateLearner, RatePriors, WorkerRates, fleet_medians
+from dynagraph.llm.router.rebalance import QueueView
 from dynagraph.llm.tenants.identity import TenantToken
 from dynagraph.llm.tenants.slo_admission import Gate, Pressure, Verdict
 from dynagraph.runtime.round_robin import RoundRobin
@@ -178,7 +179,10 @@ class RouterState:
         if key is not None and queue is not None:
             queue.add(key, uncached_tokens, now)
 
-    def end(self, w: int, hashes: list[int], key: int | None = None) -> None:
+    def end(self, w: int, hashes: list[int], key: int | None = None,
+            now: float | None = None) -> None:
+        """A tracked request on ``w`` ended at ``now``: its time there teaches how long
+        ``w``'s requests stay (``WorkerRates.request_s``)."""
         counts = self.inflight.get(w)
         if counts is not None:
             for h in hashes:
@@ -189,7 +193,11 @@ class RouterState:
                     counts[h] = n - 1
         queue = self.queues.get(w)
         if key is not None and queue is not None:
-            queue.finish(key)
+            began = queue.finish(key)
+            learner = self.learners.get(w)
+            if began is not None and now is not None and learner is not None:
+                learner.request_ended(now - began)
+                self._rates_stale = True
 
     def inputs(self, hashes: list[int], now: float | None = None,
                rates: dict[int, WorkerRates] | None = None, *,
@@ -235,16 +243,30 @@ class RouterState:
             rep = self.reported.get(w, _NO_LOAD)
             active = max(rep.kv_blocks_used, len(counts) if counts else 0)
             queue = self.queues.get(w)
-            queued, decoding = 0.0, 0
+            queued, decoding, routed = 0.0, 0, 0
             if queue is not None and not queue.idle:
                 if now is not None and w in rates:
                     queue.advance(now, rates[w].prefill_s_per_token)
-                queued, decoding = queue.queued_tokens, queue.decoding
+                queued, decoding, routed = queue.queued_tokens, queue.decoding, queue.size
             reported_decoding = rep.running - max(rep.prefilling - rep.waiting, 0)
             loads[w] = WorkerLoad(active_blocks=max(active - shared, 0),
                                   waiting_requests=rep.waiting, queued_tokens=queued,
-                                  decoding=max(decoding, reported_decoding, 0))
+                                  decoding=max(decoding, reported_decoding, 0),
+                                  active=max(rep.running + rep.waiting, routed),
+                                  slots=rep.max_num_seqs)
         return overlaps, loads
+
+    def queue_views(self, now: float | None = None) -> list[QueueView]:
+        """The healthy workers' queues as rebalancing sees them (``releases``)."""
+        views = []
+        for w in sorted(self.healthy & self.live):
+            rep = self.reported.get(w, _NO_LOAD)
+            queue = self.queues.get(w)
+            routed = queue.size if queue is not None else 0
+            views.append(QueueView(w, active=max(rep.running + rep.waiting, routed),
+                                   waiting=rep.waiting, slots=rep.max_num_seqs,
+                                   request_s=self.rates(w, now).request_s))
+        return views
 
     def decide(self, mode: RouterMode, hashes: list[int], *, overlap_weight: float = 1.0,
                temperature: float = 0.0, cost_model: CostModel = CostModel.TIME,

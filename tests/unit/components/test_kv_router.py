@@ -186,6 +186,24 @@ def test_modes_that_ignore_load_do_not_forecast_it() -> None:
     assert loads[A].queued_tokens == 500
 
 
+def test_ended_requests_teach_how_long_requests_stay_and_full_batches_count() -> None:
+    s = state_with(A, B)
+    s.set_load(A, EngineLoad(running=4, max_num_seqs=4), now=0.0)
+    s.set_load(B, EngineLoad(max_num_seqs=4), now=0.0)
+    for key in range(3):
+        s.begin(A, [], key=key, uncached_tokens=10, now=1.0)
+        s.end(A, [], key, now=4.0)  # 3 s each
+    learned = s.rates(A).request_s
+    assert 2.0 < learned < 3.0  # from the prior (2 s) towards 3 s
+    assert s.rates(B).request_s == learned  # the fleet's, without its own
+    _, loads = s.inputs([], now=5.0)
+    assert (loads[A].active, loads[A].slots, loads[B].active) == (4, 4, 0)
+    d = s.decide(RouterMode.KV, [], now=5.0)
+    # A's batch is full: one place frees every learned / 4 s (and A runs decode steps)
+    assert d.worker_id == B
+    assert d.ttft_s[A] - d.ttft_s[B] == pytest.approx(learned / 4 + s.rates(A).decode_step_s)
+
+
 def test_unhealthy_workers_are_avoided_and_removed_ones_forgotten() -> None:
     s = state_with(A, B)
     hashes = hasher.block_hashes(prompt(3, 4))
@@ -426,3 +444,25 @@ def test_the_slo_class_scales_the_overlap_weight() -> None:
                     overlap_weight=class_overlap_weight(1.0, "batch", scales)).worker_id == B
     assert s.decide(RouterMode.KV, req, cost_model=blocks, overlap_weight=class_overlap_weight(
         1.0, "interactive", scales)).worker_id == A
+
+
+async def test_a_full_worker_is_asked_to_hand_back_waiting_requests_when_places_free_up() -> None:
+    store, fake = MemoryStore(), FakeWorkers()
+    busy, idle = [(await _worker(store)).instance_id for _ in range(2)]
+    router = await _router(store, fake, rebalance_wait=1.0)
+    try:
+        await until(lambda: len(fake.opened) == 4)
+        # 4 running and 6 waiting, a place freeing every 0.5 s (prior: 2 s a request)
+        fake.q(busy, "load_metrics").put_nowait(
+            EngineLoad(running=4, waiting=6, max_num_seqs=4).model_dump())
+        await until(lambda: busy in router.state.healthy)
+        assert (busy, "release") not in fake.opened  # no free place anywhere yet
+        router._rebalanced_at = -1e9  # judge the next report at once
+        fake.q(idle, "load_metrics").put_nowait(EngineLoad(max_num_seqs=4).model_dump())
+        await until(lambda: (busy, "release") in fake.opened)
+        # the 2 first in line start within 1 s; the other 4 fill the 4 free places
+        metric = router.metrics.rebalanced_requests.labels(f"{busy:x}")
+        assert metric._value.get() == 4  # type: ignore[attr-defined]
+        assert (idle, "release") not in fake.opened
+    finally:
+        await router.stop()

@@ -28,7 +28,7 @@ from components.mocker_prefill_worker import (
 )
 from components.mocker_worker import MockerWorker, MockerWorkerConfig
 from components.processor import Processor
-from dynagraph.errors import InvalidRequest
+from dynagraph.errors import InvalidRequest, Requeued
 from dynagraph.llm.disagg import PrefillResult
 from dynagraph.llm.engines.base import EngineLoad
 from dynagraph.llm.engines.mocker.serving import tokenizer_vocab
@@ -112,6 +112,24 @@ async def test_generate_metadata_and_vocabulary_as_a_vllm_worker(tiny_tokenizer_
         text = _exposition(rt.registry)
         assert total(text, "dynamo_worker_prefix_cache_queries_total", label) == 200
         assert total(text, "dynamo_worker_prefix_cache_hits_total", label) == 96
+
+
+async def test_release_hands_back_only_requests_waiting_for_a_place(
+        tiny_tokenizer_dir: Path) -> None:
+    rt = await runtime(MemoryStore(), "MockerWorker")
+    cfg = config(tiny_tokenizer_dir, max_num_seqs=1, speed=1.0)
+    async with running(MockerWorker(cfg, runtime=rt)) as worker:
+        running_one = worker.generate(request("r1", prompt(1, 64), max_tokens=200))
+        assert (await anext(running_one))["token_ids"]  # started: has a place
+        waiting = asyncio.ensure_future(collect(worker.generate(request("r2", prompt(2, 64)))))
+        await until(lambda: worker.engine.load().waiting == 1)
+        assert await anext(worker.release({"count": 5})) == {"released": 1}  # only the waiter
+        with pytest.raises(Requeued):
+            await waiting
+        await until(lambda: worker.engine.load().waiting == 0)
+        assert (await anext(running_one))["token_ids"]  # the running one goes on
+        await running_one.aclose()  # type: ignore[attr-defined]
+        assert await anext(worker.release({"count": 1})) == {"released": 0}
 
 
 async def test_kv_events_stream_a_snapshot_then_net_deltas(tiny_tokenizer_dir: Path) -> None:

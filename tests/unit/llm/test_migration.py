@@ -8,8 +8,14 @@ from typing import Any
 
 import pytest
 
-from dynagraph.errors import InstanceUnavailable, InvalidRequest, StreamBroken
-from dynagraph.llm.migration import Attempt, MigrationExhausted, continuation, migrating
+from dynagraph.errors import InstanceUnavailable, InvalidRequest, Requeued, StreamBroken
+from dynagraph.llm.migration import (
+    MAX_REQUEUES,
+    Attempt,
+    MigrationExhausted,
+    continuation,
+    migrating,
+)
 from dynagraph.llm.protocol import PreprocessedRequest, SamplingParams
 from tests.support.poll import collect
 
@@ -92,6 +98,34 @@ async def test_a_failure_before_any_output_is_retried_too() -> None:
     w = Workers(2, fail_after={1: 0})
     outs = await collect(migrating(request(), w.dispatch, limit=3))
     assert len(tokens(outs)) == 12 and w.calls[1][1].token_ids == [5, 6, 7, 8]
+
+
+async def test_a_request_handed_back_is_placed_again_without_counting_a_failure() -> None:
+    w = Workers(2, fail_after={1: 0}, error=Requeued("a place is free elsewhere"))
+    migrated: list[int | None] = []
+    outs = await collect(migrating(request(), w.dispatch, limit=0,
+                                   on_migrate=lambda wid, exc: migrated.append(wid)))
+    assert len(tokens(outs)) == 12 and migrated == []
+    # not a failure: the same worker may take it again (here it does: the fake asks 1)
+    assert [(wid, r.request_id, r.token_ids) for wid, r in w.calls] == [
+        (1, "r1", [5, 6, 7, 8]), (1, "r1-q1", [5, 6, 7, 8])]
+    assert [o.get("prompt_tokens") for o in outs if "prompt_tokens" in o] == [4]
+
+
+async def test_endless_hand_backs_end_as_a_failure() -> None:
+    calls = 0
+
+    async def handing_back(req: PreprocessedRequest, attempt: Attempt
+                           ) -> AsyncIterator[dict[str, Any]]:
+        nonlocal calls
+        calls += 1
+        attempt.worker = 1
+        raise Requeued("again")
+        yield {}  # an async generator
+
+    with pytest.raises(MigrationExhausted, match="Requeued"):
+        await collect(migrating(request(), handing_back, limit=0))
+    assert calls == MAX_REQUEUES + 1
 
 
 async def test_the_limit_gives_a_clear_error_never_a_short_answer() -> None:

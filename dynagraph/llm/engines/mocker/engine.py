@@ -230,6 +230,7 @@ class MockerEngine:
             prefill_tokens_total=st.prefill_tokens, prefill_seconds_total=st.prefill_seconds,
             decode_steps_total=st.decode_steps, decode_seconds_total=st.decode_seconds,
             max_num_batched_tokens=self.args.max_num_batched_tokens,
+            max_num_seqs=self.args.max_num_seqs,
             nominal_prefill_tokens_per_s=self._nominal_prefill_tps,
             nominal_decode_step_s=self._nominal_decode_s,
         )

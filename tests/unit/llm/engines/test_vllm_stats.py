@@ -88,8 +88,8 @@ def test_untimed_records_and_unknown_starts_add_nothing() -> None:
     assert t.get().prefill_seconds_total == 2.0
     t.request_started()                # more starts than arrivals: never below zero
     assert t.get().prefilling == 0
-    t.set_max_batched_tokens(2048)
-    assert t.get().max_num_batched_tokens == 2048
+    t.set_limits(batched_tokens=2048, seqs=64)
+    assert (t.get().max_num_batched_tokens, t.get().max_num_seqs) == (2048, 64)
 
 
 def _offload(**series: float) -> dict[str, object]:

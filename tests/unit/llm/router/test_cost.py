@@ -162,6 +162,23 @@ def test_time_a_long_queue_on_the_holder_sends_the_repeat_elsewhere() -> None:
     assert d.costs == {A: (8192 + 20) * P, B: 2900 * P}
 
 
+def test_time_a_full_batch_on_the_holder_sends_the_repeat_to_a_free_place() -> None:
+    """A holder running all 8 of its places, none queued: the repeat would wait for one
+    of them to end (a request stays 32 s there: one place frees every 4 s), longer than
+    computing the whole prompt elsewhere (2.8 s)."""
+    rates = WorkerRates(P, D, 2048, request_s=32.0)
+    full = WorkerLoad(decoding=8, active=8, slots=8)
+    d = timed("kv", {A: FULL}, {A: full, B: WorkerLoad(slots=8)},
+              rates={A: rates, B: rates})
+    assert d.worker_id == B
+    assert d.costs == {A: 20 * P + D + 4, B: 2900 * P}
+    # two waiting already: third in line; a free place left: no wait; slots unknown: none
+    assert predicted_ttft(WorkerLoad(active=10, slots=8), rates, uncached_tokens=1024) == (
+        1 + 12, 1 + 12)
+    assert predicted_ttft(WorkerLoad(active=7, slots=8), rates, uncached_tokens=1024)[0] == 1
+    assert predicted_ttft(WorkerLoad(active=50), rates, uncached_tokens=1024)[0] == 1
+
+
 def test_time_prompts_sharing_nothing_join_the_shortest_queue() -> None:
     ld = {A: WorkerLoad(queued_tokens=1000), B: WorkerLoad(queued_tokens=999)}
     assert timed("kv", {}, ld).worker_id == B
