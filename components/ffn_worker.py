@@ -23,19 +23,22 @@ import asyncio
 import logging
 import os
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field
 
 from dynagraph.config import ConfigModel
 from dynagraph.errors import ConfigError
-from dynagraph.llm.afd.channel import host_id
-from dynagraph.llm.afd.ffn import VllmFfn, read_model_info
 from dynagraph.llm.afd.plan import assign, parse_ranges
-from dynagraph.llm.afd.server import FfnServer
 from dynagraph.llm.afd.settings import PeerInfo
-from dynagraph.observability.afd_metrics import register_ffn_stats
 from dynagraph.sdk import Component, async_on_shutdown, async_on_start, endpoint, service
+
+if TYPE_CHECKING:
+    from dynagraph.llm.afd.server import FfnServer
+
+# The data plane (torch) is imported where it is used: every decode worker imports this
+# module for its ``depends(FfnWorker)`` edge, and torch took 2 of the 2.5 s a
+# MockerWorker process needed to import (a Planner's new worker waited for it).
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +75,8 @@ class FfnInfoRequest(ConfigModel):
 @service(dynamo={"namespace": "dynamo"}, resources={"cpu": 1}, workers=1)
 class FfnWorker(Component):
     def __init__(self, config: FfnWorkerConfig) -> None:
+        from dynagraph.llm.afd.model_info import read_model_info
+
         self.config = config
         info = read_model_info(config.model)
         try:
@@ -85,6 +90,11 @@ class FfnWorker(Component):
 
     @async_on_start
     async def start(self) -> None:
+        from dynagraph.llm.afd.channel import host_id
+        from dynagraph.llm.afd.ffn import VllmFfn
+        from dynagraph.llm.afd.server import FfnServer
+        from dynagraph.observability.afd_metrics import register_ffn_stats
+
         cfg, rt = self.config, self.runtime
         if cfg.cpus is not None:
             os.sched_setaffinity(0, parse_ranges(cfg.cpus, os.cpu_count() or 1, "cpus"))

@@ -35,7 +35,7 @@ from typing import Any
 
 from dynagraph.errors import EngineError
 from dynagraph.llm.afd.errors import AfdUnavailable
-from dynagraph.llm.afd.ffn import read_model_info
+from dynagraph.llm.afd.model_info import read_model_info
 from dynagraph.llm.afd.models.common import CONFIG_ATTR
 from dynagraph.llm.afd.plan import RouteTable
 from dynagraph.llm.afd.plugin import AFD_ARCHITECTURE, register

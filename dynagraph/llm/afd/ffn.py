@@ -27,68 +27,15 @@ import logging
 import os
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, cast
 
 import torch
 
 from dynagraph.errors import ConfigError
+from dynagraph.llm.afd.model_info import read_model_info
 
 log = logging.getLogger(__name__)
-
-Arch = Literal["llama", "mixtral"]
-_ARCHS: dict[str, Arch] = {"LlamaForCausalLM": "llama", "MixtralForCausalLM": "mixtral",
-                           "AfdLlamaForCausalLM": "llama", "AfdMixtralForCausalLM": "mixtral"}
-
-
-@dataclass(frozen=True)
-class FfnModelInfo:
-    """What the AFD pieces need to know about a model (from its ``config.json``)."""
-
-    name: str
-    """The model directory's name: both sides of a connection must agree on it."""
-    arch: Arch
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_experts: int
-    """0 for a dense model."""
-    top_k: int
-    dtype: str
-
-    @property
-    def is_moe(self) -> bool:
-        return self.num_experts > 0
-
-    def ffn_prefix(self, layer: int) -> str:
-        """Checkpoint name prefix of one layer's FFN."""
-        part = "block_sparse_moe" if self.arch == "mixtral" else "mlp"
-        return f"model.layers.{layer}.{part}."
-
-
-def read_model_info(model_dir: str | Path) -> FfnModelInfo:
-    """Read ``config.json``; ConfigError for an architecture AFD does not split."""
-    path = Path(model_dir)
-    try:
-        cfg = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot read {path / 'config.json'}: {exc}", key="model") from exc
-    archs = [a for a in cfg.get("architectures") or [] if a in _ARCHS]
-    if not archs:
-        raise ConfigError(f"{path}: architectures {cfg.get('architectures')} are not split by "
-                          f"AFD (known: {sorted(_ARCHS)})", key="model")
-    arch = _ARCHS[archs[0]]
-    dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16")
-    return FfnModelInfo(
-        name=path.resolve().name, arch=arch, hidden_size=int(cfg["hidden_size"]),
-        intermediate_size=int(cfg["intermediate_size"]),
-        num_layers=int(cfg["num_hidden_layers"]),
-        num_experts=int(cfg.get("num_local_experts", 0)) if arch == "mixtral" else 0,
-        top_k=int(cfg.get("num_experts_per_tok", 0)) if arch == "mixtral" else 0,
-        dtype=dtype,
-    )
-
 
 def model_dtype(vllm_config: Any) -> torch.dtype:
     """The resolved dtype of a vLLM config's model (a ``torch.dtype`` once built)."""
