@@ -67,6 +67,11 @@ class FrontendConfig(RequestLimits):
     interactive requests wait behind it (at most ``max-inflight-requests`` - 1)."""
     queue_timeout: float = Field(default=30.0, ge=0.0)
     """Seconds a request may wait for a slot before it gets a 429."""
+    keep_alive_timeout: float = Field(default=75.0, gt=0.0)
+    """Seconds an idle client connection stays open. Longer than clients keep theirs
+    (aiohttp 15 s, browsers ~60 s), so a client never sends a request on a connection the
+    server is closing that instant (uvicorn's 5 s default lost one request of a replayed
+    trace that paused for ~5 s: "Can not write request body")."""
     worker_wait: float = Field(default=10.0, ge=0.0)
     """Seconds a request waits while no model worker is registered, then 503."""
     tenants_file: str | None = None
@@ -133,7 +138,8 @@ class Frontend(Component):
                          admission=self._admission(),
                          worker_wait_s=cfg_.worker_wait, tenants=self._tenant_gate())
         cfg = uvicorn.Config(app, host=self.config.host, port=self.config.port,
-                             log_level="warning", access_log=False, lifespan="off")
+                             log_level="warning", access_log=False, lifespan="off",
+                             timeout_keep_alive=self.config.keep_alive_timeout)
         self._server = _Server(cfg)
         self._task = asyncio.create_task(self._server.serve())
         while not self._server.started:
