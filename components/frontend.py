@@ -67,7 +67,7 @@ class FrontendConfig(RequestLimits):
     interactive requests wait behind it (at most ``max-inflight-requests`` - 1)."""
     queue_timeout: float = Field(default=30.0, ge=0.0)
     """Seconds a request may wait for a slot before it gets a 429."""
-    keep_alive_timeout: float = Field(default=75.0, gt=0.0)
+    keep_alive_timeout: int = Field(default=75, gt=0)
     """Seconds an idle client connection stays open. Longer than clients keep theirs
     (aiohttp 15 s, browsers ~60 s), so a client never sends a request on a connection the
     server is closing that instant (uvicorn's 5 s default lost one request of a replayed

@@ -189,13 +189,19 @@ async def test_steps_take_the_profiled_time() -> None:
 
 async def test_late_wake_ups_do_not_add_up() -> None:
     """Timers fire up to ~1 ms late; 300 back-to-back 1 ms steps still take ~0.3 s (they
-    took 0.5-0.6 s when each step was timed from its late start)."""
+    took 0.5-0.6 s when each step was timed from its late start). The best of three runs
+    counts: a busy machine only adds time (one run in a full-suite took 0.89 s)."""
     e = make(flat_profile(prefill_s=0.001, decode_s=0.001), **opts(max_model_len=512))
     await e.start()
     try:
-        began = time.monotonic()
-        await collect(e.generate("r", prompt(20), SamplingSpec(max_tokens=300)))
-        assert 0.3 - 1e-3 <= time.monotonic() - began < 0.3 + 0.1
+        took = []
+        for i in range(3):
+            began = time.monotonic()
+            await collect(e.generate(f"r{i}", prompt(20 + i), SamplingSpec(max_tokens=300)))
+            took.append(time.monotonic() - began)
+            if took[-1] < 0.4:
+                break
+        assert 0.3 - 1e-3 <= min(took) < 0.3 + 0.1, took
     finally:
         await e.shutdown()
 
