@@ -38,6 +38,7 @@ from dynagraph.planner import (
     PlannerState,
     Replicas,
     decide,
+    pressures,
     surge,
 )
 from dynagraph.planner.connector import Connector, EtcdScaleConnector
@@ -187,8 +188,12 @@ class Planner(Component):
     async def _surge(self) -> None:
         """Between adjustments: a scale-up judged on the last ``surge-window`` seconds."""
         assert self.target is not None
-        serving = await self._read_serving()
         count = max(1, round(self.policy.surge_window / self.config.metric_pulling_interval))
+        # on the serving counts last read: no etcd read per sample while nothing presses
+        if max(pressures(self.policy, self.window.recent(
+                count, self.serving.decode, self.serving.prefill))) < 1.0:
+            return
+        serving = await self._read_serving()
         obs = self.window.recent(count, serving.decode, serving.prefill)
         d = surge(self.policy, self.state, obs, self.target, serving)
         if d is not None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from dynagraph.errors import Requeued
 
@@ -23,7 +23,7 @@ class WaitingRequests:
     """Requests without output yet, oldest first."""
 
     def __init__(self) -> None:
-        self._released: dict[str, asyncio.Event] = {}
+        self._released: dict[str, asyncio.Future[None]] = {}
 
     def __len__(self) -> int:
         return len(self._released)
@@ -32,19 +32,18 @@ class WaitingRequests:
         """``outs``' first item (``StopAsyncIteration`` if it has none), unless the
         request is released before it comes: then ``Requeued`` (``outs`` was cancelled,
         which aborts the request in the engine)."""
-        released = asyncio.Event()
+        released: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._released[request_id] = released
         item = asyncio.ensure_future(anext(outs))
-        signal = asyncio.ensure_future(released.wait())
         try:
-            done, _ = await asyncio.wait({item, signal}, return_when=asyncio.FIRST_COMPLETED)
+            waits: set[asyncio.Future[Any]] = {item, released}
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         except BaseException:
             item.cancel()
             raise
         finally:
-            signal.cancel()
             self._released.pop(request_id, None)
-        if item in done:  # an output that came with the release still counts
+        if item.done():  # an output that came with the release still counts
             return item.result()
         item.cancel()
         with contextlib.suppress(BaseException):
@@ -54,7 +53,8 @@ class WaitingRequests:
 
     def release(self, count: int) -> list[str]:
         """Release the ``count`` newest requests still waiting; their ids."""
-        ids = list(self._released)[-count:] if count > 0 else []
+        pending = [r for r, fut in self._released.items() if not fut.done()]
+        ids = pending[-count:] if count > 0 else []
         for request_id in ids:
-            self._released[request_id].set()
+            self._released[request_id].set_result(None)
         return ids

@@ -13,11 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 
-from dynagraph.llm.engines.base import EngineLoad
-from dynagraph.llm.router.state import RouterState
+from dynagraph.llm.router.state import NO_LOAD, RouterState
 from dynagraph.llm.tenants.slo_admission import Pressure, WorkerPressure
 
-_NO_LOAD = EngineLoad()  # a worker that has not reported (read only)
 DEFAULT_CLASS_OVERLAP_WEIGHTS: dict[str, float] = {"interactive": 0.5, "batch": 2.0}
 
 
@@ -52,7 +50,7 @@ class PressureView:
         predicted = predicted_ttft_s or {}
         out: list[WorkerPressure] = []
         for w in sorted(candidates):
-            rep = state.reported.get(w, _NO_LOAD)
+            rep = state.reported.get(w, NO_LOAD)
             queue = state.queues.get(w)
             prefilling = max(rep.prefilling, queue.prefilling if queue is not None else 0)
             out.append(WorkerPressure(worker_id=w, running=rep.running, waiting=rep.waiting,

@@ -21,14 +21,15 @@ from dynagraph.llm.router.cost import CostModel, Decision, RouterMode, WorkerLoa
 from dynagraph.llm.router.events import RelayBatch
 from dynagraph.llm.router.index import PrefixIndex
 from dynagraph.llm.router.pending import WorkerQueue
-from dynagraph.llm.router.rates import RateLearner, RatePriors, WorkerRates, fleet_medians
+from dynagraph.llm.router.rates import RateLearner, RatePriors, WorkerRates, fleet_rates
 from dynagraph.llm.router.rebalance import QueueView
 from dynagraph.llm.tenants.identity import TenantToken
 from dynagraph.llm.tenants.slo_admission import Gate, Pressure, Verdict
 from dynagraph.runtime.round_robin import RoundRobin
 
 POOL_TIER = "pool"
-_NO_LOAD = EngineLoad()  # a worker that has not reported (read only)
+NO_LOAD = EngineLoad()
+"""The load of a worker that has not reported (shared: read only)."""
 _UNKNOWN = WorkerLoad()
 RATES_REFRESH_S = 0.5
 """Learned speeds are recomputed at most this often while time is passed in. They move
@@ -130,8 +131,7 @@ class RouterState:
         ``RATES_REFRESH_S`` (``now`` None: exactly as learned so far)."""
         if self._rates is None or self._rates_stale and (
                 now is None or now - self._rates_at >= RATES_REFRESH_S):
-            fleet = fleet_medians(self.learners.values())
-            self._rates = {w: fleet.of(x) for w, x in self.learners.items()}
+            self._rates = fleet_rates(self.learners)
             self._rates_stale = False
             if now is not None:
                 self._rates_at = now
@@ -240,7 +240,7 @@ class RouterState:
                 if wanted is None:
                     wanted = set(hashes)
                 shared = len(wanted & counts.keys())
-            rep = self.reported.get(w, _NO_LOAD)
+            rep = self.reported.get(w, NO_LOAD)
             active = max(rep.kv_blocks_used, len(counts) if counts else 0)
             queue = self.queues.get(w)
             queued, decoding, routed = 0.0, 0, 0
@@ -260,7 +260,7 @@ class RouterState:
         """The healthy workers' queues as rebalancing sees them (``releases``)."""
         views = []
         for w in sorted(self.healthy & self.live):
-            rep = self.reported.get(w, _NO_LOAD)
+            rep = self.reported.get(w, NO_LOAD)
             queue = self.queues.get(w)
             routed = queue.size if queue is not None else 0
             views.append(QueueView(w, active=max(rep.running + rep.waiting, routed),
