@@ -80,8 +80,6 @@ def start_metrics_server() -> str:
 
 async def run(spec: dict[str, Any], component: str, index: int) -> int:
     graph = resolve_target(spec["target"])
-    cls = graph.by_name(component)
-    values = spec["configs"][component]["values"]
     host = host_from_env()
     metrics_address = start_metrics_server()
     serve_id = os.environ.get(SERVE_ID_ENV)
@@ -91,24 +89,38 @@ async def run(spec: dict[str, Any], component: str, index: int) -> int:
         discovery.publish_check = publish_guard(host)
         return discovery
 
-    instances = ProcessInstances(graph, cls, values, count=instances_per_process(cls, values),
-                                 new_discovery=new_discovery, worker_index=index,
-                                 nats_url=os.environ.get("NATS_SERVER"),
-                                 metrics_address=metrics_address, host=host,
-                                 labels={"serve_id": serve_id} if serve_id else None)
+    def instances_of(name: str, *, embedded: bool = False) -> ProcessInstances:
+        node = graph.by_name(name)
+        vals = spec["configs"][name]["values"]
+        return ProcessInstances(graph, node, vals, count=instances_per_process(node, vals),
+                                new_discovery=new_discovery, worker_index=index,
+                                nats_url=os.environ.get("NATS_SERVER"),
+                                metrics_address=metrics_address, host=host,
+                                labels={"serve_id": serve_id} if serve_id else None,
+                                embedded=embedded)
+
+    # components embedded in this one (ServiceArgs.embed-in) start first, so it finds
+    # them when it starts, and stop last, after it has drained
+    guests = [instances_of(n, embedded=True) for n, c in spec["configs"].items()
+              if c.get("service_args", {}).get("embed-in") == component]
+    parts = [*guests, instances_of(component)]
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     install_task_dump(loop)
+    started: list[ProcessInstances] = []
     try:
-        if not await _start_unless_stopped(instances, stop):
-            log.info("stopped while starting")
-            return 0
+        for part in parts:
+            started.append(part)
+            if not await _start_unless_stopped(part, stop):
+                log.info("stopped while starting")
+                return 0
         await stop.wait()
         log.info("stopping")
     finally:
-        await instances.stop()
+        for part in reversed(started):
+            await part.stop()
     return 0
 
 

@@ -132,6 +132,10 @@ class RuntimeScaling:
                 want = parse_replicas(value)
                 if name not in names:
                     continue
+                if want is not None and self.started[name].service_args.embed_in is not None:
+                    log.warning("ignoring %s = %r: %s runs inside %s's processes; scale "
+                                "that", key, value, name, self.started[name].service_args.embed_in)
+                    continue
                 if want is None:
                     if value is not None:
                         log.warning("ignoring %s = %r: not a replica count", key, value)

@@ -148,8 +148,8 @@ class Supervisor(RuntimeScaling):
                                     serve_part.SERVE_ID_ENV: self.serve_id}
             for cls in self.graph.nodes:
                 name = spec_of(cls).name
-                if name not in self.started:
-                    continue
+                if name not in self.started or self.configs[name].service_args.embed_in:
+                    continue  # an embedded component starts inside its host's processes
                 for i in range(self.configs[name].service_args.workers):
                     await self._start_child(name, i, spec_path)
             waiting = asyncio.create_task(self.startup.say_waiting(), name="say-waiting")

@@ -35,6 +35,12 @@ def select(graph: Graph, configs: Mapping[str, ComponentConfig],
         raise GraphError(f"--service-name {', '.join(unknown)}: not in the graph "
                          f"(its components: {', '.join(known)})")
     wanted = set(names) or set(known)
+    for n in names:
+        host = configs[n].service_args.embed_in
+        if host is not None and host not in wanted:
+            raise GraphError(f"--service-name {n}: it runs inside {host}'s processes "
+                             f"(ServiceArgs.embed-in); serve {host} here too")
+    wanted |= {n for n, c in configs.items() if c.service_args.embed_in in wanted}
     return {n: configs[n] for n in known if n in wanted}
 
 

@@ -29,11 +29,16 @@ class StartupOutput:
     def __init__(self, target: str, configs: Mapping[str, Any], log_level: str) -> None:
         self.t0 = time.monotonic()
         self.quiet = log_level != "debug"
-        workers = {n: c.service_args.workers for n, c in configs.items()}
+        workers = {n: c.service_args.workers for n, c in configs.items()
+                   if c.service_args.embed_in is None}  # those run in their hosts' processes
+        guests = {n: [g for g, c in configs.items() if c.service_args.embed_in == n]
+                  for n in workers}
         names = [f"{n}[{i}]" for n, w in workers.items() for i in range(w)]
         self.view = StartupView(self.t0, names)
         self._all_ready = asyncio.Event()
-        parts = [n if w == 1 else f"{n} x{w}" for n, w in workers.items()]
+        parts = [(n if w == 1 else f"{n} x{w}")
+                 + (f" with {', '.join(guests[n])} inside" if guests[n] else "")
+                 for n, w in workers.items()]
         emit(f"dynamo serve: starting {target}: {len(names)} processes ({', '.join(parts)})")
 
     def output_filter(self, child_env: Mapping[str, str]) -> OutputFilter:

@@ -11,7 +11,8 @@ manifest dicts; no I/O). What it emits, in ``kubectl apply`` order:
 - a ConfigMap holding the resolved config as YAML (``graph.yaml``): every component's
   section with ``Common`` merged and the command-line overrides applied, so what runs is
   what was generated;
-- one Deployment per component. Each pod runs one worker:
+- one Deployment per component (a component with ``ServiceArgs.embed-in`` has none: it
+  runs inside each pod of its host). Each pod runs one worker:
   ``dynamo serve TARGET -f /config/graph.yaml --service-name NAME
   --NAME.ServiceArgs.workers=1`` and the Deployment's ``replicas`` is the component's
   ``ServiceArgs.workers``; Kubernetes scales and restarts, so ``dynamo serve`` runs with
@@ -110,6 +111,8 @@ def build_manifests(spec: DeploySpec, opts: K8sOptions) -> list[dict[str, Any]]:
                 "data": {CONFIG_KEY: text}})
     for cls in spec.graph.nodes:
         name = spec_of(cls).name
+        if spec.configs[name].service_args.embed_in is not None:
+            continue  # runs in its host's pods (dynamo serve starts it with the host)
         port = http[1] if http is not None and http[0] == name else None
         out.append(_deployment(spec, opts, name, image, digest, port))
     if http is not None:
@@ -165,7 +168,10 @@ def config_yaml(spec: DeploySpec) -> str:
         cfg = spec.configs[name]
         values = {k: (None if k == "cpu-threads-bind" and v == "spread" else v)
                   for k, v in cfg.values.items()}  # one worker per pod: vLLM's own binding
-        doc[name] = {**values, SERVICE_ARGS: cfg.service_args.model_dump()}
+        sargs = cfg.service_args.model_dump(exclude_none=True)
+        if cfg.service_args.embed_in is not None:
+            del sargs["workers"]  # the host's, per pod
+        doc[name] = {**values, SERVICE_ARGS: sargs}
     header = (f"# {spec.target}, resolved from {spec.config_file} by `dynamo deploy k8s`\n"
               "# (Common merged, overrides applied). Each pod adds --NAME.ServiceArgs.workers=1\n"
               "# (replicas = workers) and binds the HTTP component to 0.0.0.0.\n")

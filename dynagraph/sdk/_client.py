@@ -4,7 +4,9 @@
 instance in round-robin order; ``.random(req)`` picks one at random; ``.direct(req, id)``
 calls exactly that instance. Each returns an async iterator of responses; closing it
 (or cancelling the task consuming it) cancels the remote call. ``generate`` and
-``random`` retry on another live instance when the request could not be delivered.
+``random`` retry on another live instance when the request could not be delivered, and
+prefer an instance running in this very process (``ServiceArgs.embed-in``) when there is
+one.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any, Protocol, TypeVar
 from dynagraph.aio import aclose
 from dynagraph.errors import InstanceUnavailable, NoInstancesError
 from dynagraph.runtime.round_robin import RoundRobin
+from dynagraph.runtime.rpc import has_local_servers, local_server
 from dynagraph.sdk._context import REQUEST_ID_HEADER, current_request_id
 
 C = TypeVar("C")
@@ -113,7 +116,7 @@ class EndpointClient:
             live = [i for i in self._source.instances() if i.instance_id not in ids]
             if not live and failed:
                 live = await self._await_new(ids)
-            return pick(live) if live else None
+            return pick(nearest(live)) if live else None
 
         def no_instance(last: Exception | None) -> Exception:
             what = "reachable " if last is not None else ""
@@ -204,6 +207,15 @@ class ComponentClient:
         if name.startswith("_"):
             raise AttributeError(name)
         return self.endpoint(name).round_robin
+
+
+def nearest(instances: list[Any]) -> list[Any]:
+    """The instances in this very process, if any (an embedded component: reached without
+    the socket); else all of them."""
+    if not has_local_servers():
+        return instances
+    here = [i for i in instances if local_server(i.address) is not None]
+    return here or instances
 
 
 def _headers(headers: dict[str, str] | None) -> dict[str, str] | None:

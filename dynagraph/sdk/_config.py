@@ -38,11 +38,17 @@ SERVICE_ARGS = "ServiceArgs"
 class ServiceArgs(BaseModel):
     """Process-level settings of one component."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", validate_by_name=True, validate_by_alias=True,
+                              serialize_by_alias=True)
 
     workers: int = Field(default=1, ge=1, le=64)
     resources: dict[str, Any] = Field(default_factory=dict)
     env: dict[str, str] = Field(default_factory=dict)
+    embed_in: str | None = Field(default=None, alias="embed-in")
+    """Run this component inside each worker process of the named component that calls
+    it (the Processor in the Frontend's: ``embed-in: Frontend``), reached there without
+    the request plane's socket (``dynagraph.runtime.rpc._local``). It is still an instance
+    of its own in discovery; its ``workers`` follow the host's."""
 
 
 @dataclass
@@ -135,6 +141,7 @@ def resolve_config(
                 f"unknown component (this graph has {', '.join(names)})", file=file, component=comp
             )
     out: dict[str, ComponentConfig] = {}
+    set_workers: set[str] = set()  # components whose ServiceArgs.workers the user set
     for cls in graph.nodes:
         spec = spec_of(cls)
         section = data.get(spec.name) or {}
@@ -149,12 +156,54 @@ def resolve_config(
                 sargs_raw = {**sargs_raw, key.split(".", 1)[1]: value}
             else:
                 merged[key] = value
+        if "workers" in sargs_raw:
+            set_workers.add(spec.name)
         sargs = _validate(ServiceArgs, {"workers": spec.workers, "resources": spec.resources, **sargs_raw},
                           file, spec.name, prefix=f"{SERVICE_ARGS}.")
         values = _component_values(spec.config_type, merged, file, spec.name)
         out[spec.name] = ComponentConfig(spec.name, sargs, values,
                                          instances_per_process(cls, values))
+    _check_embedding(graph, out, file, set_workers)
     return out
+
+
+def embedded_in(configs: dict[str, ComponentConfig], host: str) -> list[str]:
+    """The components that run inside each worker process of ``host``."""
+    return [n for n, c in configs.items() if c.service_args.embed_in == host]
+
+
+def _check_embedding(graph: Graph, configs: dict[str, ComponentConfig], file: str,
+                     set_workers: set[str]) -> None:
+    """``ServiceArgs.embed-in``: the host must be another component of the graph that calls
+    this one, not itself embedded, one instance per process on both sides. The embedded
+    component's ``workers`` become the host's (one per host process)."""
+    key = f"{SERVICE_ARGS}.embed-in"
+    for name, cfg in configs.items():
+        host = cfg.service_args.embed_in
+        if host is None:
+            continue
+
+        def refuse(why: str, name: str = name) -> ConfigError:
+            return ConfigError(why, file=file, component=name, key=key)
+
+        if host not in configs or host == name:
+            raise refuse(f"{host!r} is not another component of this graph "
+                         f"({', '.join(n for n in configs if n != name)})")
+        if configs[host].service_args.embed_in is not None:
+            raise refuse(f"{host} is itself embedded (in {configs[host].service_args.embed_in})")
+        cls, host_cls = graph.by_name(name), graph.by_name(host)
+        if cls not in graph.edges(host_cls).values():
+            raise refuse(f"{host} does not call {name} (no depends() edge to it)")
+        if spec_of(cls).controller:
+            raise refuse(f"{name} is a controller: it runs beside the graph, not inside it")
+        if cfg.instances_per_process != 1 or configs[host].instances_per_process != 1:
+            raise refuse("needs one instance per process on both sides")
+        if name in set_workers:
+            raise ConfigError(f"an embedded component runs once in each {host} process; "
+                              f"set {host}'s workers instead", file=file, component=name,
+                              key=f"{SERVICE_ARGS}.workers")
+        cfg.service_args = cfg.service_args.model_copy(
+            update={"workers": configs[host].service_args.workers})
 
 
 def build_config(cls: type, values: dict[str, Any]) -> BaseModel | None:

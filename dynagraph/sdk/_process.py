@@ -65,7 +65,8 @@ class ProcessInstances:
     def __init__(self, graph: Graph, cls: type, values: dict[str, Any], *, count: int,
                  new_discovery: Callable[[], Any], worker_index: int = 0,
                  nats_url: str | None = None, metrics_address: str | None = None,
-                 host: str = "127.0.0.1", labels: dict[str, Any] | None = None) -> None:
+                 host: str = "127.0.0.1", labels: dict[str, Any] | None = None,
+                 embedded: bool = False) -> None:
         if count < 1:
             raise ValueError(f"count must be >= 1, got {count}")
         self.graph = graph
@@ -80,6 +81,9 @@ class ProcessInstances:
         """Where every instance's request plane binds and what it publishes (``--host``)."""
         self.labels = labels
         """Published with every instance (``serve_id``)."""
+        self.embedded = embedded
+        """Runs inside its caller's process (``ServiceArgs.embed-in``): callers here reach
+        it without the socket."""
         self.runtimes: list[ComponentRuntime] = []
         self._discoveries: list[Any] = []
 
@@ -110,8 +114,10 @@ class ProcessInstances:
         runtime = ComponentRuntime(self.graph, self.cls, self.values, discovery=discovery,
                                    worker_index=self.worker_index * self.count + k,
                                    nats_url=self.nats_url, metrics_address=self.metrics_address,
-                                   report_ready=self.count == 1, host=self.host,
-                                   labels=self.labels)
+                                   # an embedded component is ready when its host is
+                                   report_ready=self.count == 1 and not self.embedded,
+                                   host=self.host,
+                                   labels=self.labels, local_calls=self.embedded)
         self.runtimes.append(runtime)
         await runtime.start()
 

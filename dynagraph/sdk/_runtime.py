@@ -55,10 +55,12 @@ class ComponentRuntime:
                  worker_index: int = 0, nats_url: str | None = None,
                  metrics_address: str | None = None, drain_grace: float | None = None,
                  report_ready: bool = True, host: str = "127.0.0.1",
-                 labels: dict[str, Any] | None = None) -> None:
+                 labels: dict[str, Any] | None = None, local_calls: bool = False) -> None:
         """``report_ready=False``: do not tell ``dynamo serve`` this instance is ready (a
-        ``ProcessInstances`` of several tells it once, for all)."""
+        ``ProcessInstances`` of several tells it once, for all). ``local_calls``: callers in
+        this process reach its endpoints without the socket (an embedded component)."""
         self.report_ready = report_ready
+        self.local_calls = local_calls
         self.graph = graph
         self.cls = cls
         self.spec = spec_of(cls)
@@ -101,7 +103,7 @@ class ComponentRuntime:
         self.instance = obj
         for hook in self.spec.on_start:
             await getattr(obj, hook)()
-        server = RpcServer(host=self.host)
+        server = RpcServer(host=self.host, local_calls=self.local_calls)
         for ep in self.spec.endpoints:
             server.add_endpoint(ep.name, _handler(obj, ep, self.spec.name), drain=ep.drain)
         await server.start()

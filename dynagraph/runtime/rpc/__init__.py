@@ -14,6 +14,9 @@ pooled connection. Errors, as seen by the caller:
                           types in ``dynagraph.errors.WIRE_ERRORS`` arrive as themselves
     ProtocolError         the peer broke the wire format
 
+A server started with ``local_calls=True`` (an embedded component's) is reached by callers
+of its own process without the socket (``_local``), with the same errors and cancellation.
+
 Cancelling the caller's iteration (break, ``aclose()``, task cancelled) cancels the
 handler; a slow caller holds the handler at its ``yield`` (bounded buffers).
 """
@@ -23,15 +26,19 @@ from __future__ import annotations
 from ._client import RpcClient, RpcStream
 from ._context import REQUEST_ID_HEADER, Handler, RequestContext
 from ._framing import ProtocolError
+from ._local import LocalStream, has_local_servers, local_server
 from ._server import RpcServer, UnknownEndpoint
 
 __all__ = [
     "REQUEST_ID_HEADER",
     "Handler",
+    "LocalStream",
     "ProtocolError",
     "RequestContext",
     "RpcClient",
     "RpcServer",
     "RpcStream",
     "UnknownEndpoint",
+    "has_local_servers",
+    "local_server",
 ]

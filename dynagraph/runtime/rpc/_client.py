@@ -31,6 +31,7 @@ from ._framing import (
     ProtocolError,
     error_from_frame,
 )
+from ._local import LocalStream, local_server
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ class RpcClient:
         self._closed = False
 
     def call(self, address: str, endpoint: str, payload: Any, *,
-             headers: dict[str, str] | None = None) -> RpcStream:
+             headers: dict[str, str] | None = None) -> RpcStream | LocalStream:
         """Start a call of ``endpoint`` at ``address`` (``host:port``); iterate the result.
 
         The payload is encoded now (a TypeError for an unencodable payload is raised
@@ -79,6 +80,9 @@ class RpcClient:
         Leaving the iteration early (break + garbage collection, ``aclose()``, or the
         task being cancelled) cancels the remote handler.
         """
+        server = local_server(address)
+        if server is not None:  # a server of this process: no socket (see _local)
+            return LocalStream(server, endpoint, headers or {}, payload)
         request = self._encoder.request(endpoint, headers or {}, payload)
         return RpcStream(self, address, endpoint, request)
 

@@ -14,10 +14,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from typing import Any, cast
 
 from dynagraph.errors import WIRE_ERRORS, InstanceUnavailable
 
+from . import _local
 from ._context import Handler, RequestContext
 from ._framing import CANCEL, REQUEST, FrameDecoder, FrameEncoder, ProtocolError
 
@@ -50,7 +52,11 @@ class RpcServer:
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *,
-                 max_frame_bytes: int = 64 << 20, heartbeat_s: float = HEARTBEAT_S) -> None:
+                 max_frame_bytes: int = 64 << 20, heartbeat_s: float = HEARTBEAT_S,
+                 local_calls: bool = False) -> None:
+        """``local_calls``: callers of this process reach it without the socket
+        (``_local``; an embedded component's server)."""
+        self.local_calls = local_calls
         self._host = host
         self._port = port
         self._max_frame_bytes = max_frame_bytes
@@ -62,6 +68,9 @@ class RpcServer:
         self._connections: set[_ServerConnection] = set()
         self._address: str | None = None
         self._stopping = False
+        self._local_streams = 0
+        self._local_idle = asyncio.Event()
+        self._local_idle.set()
 
     def add_endpoint(self, name: str, handler: Handler, *, drain: bool = True) -> None:
         """Register ``handler`` (an async generator function ``(payload, ctx)``) as ``name``.
@@ -95,6 +104,8 @@ class RpcServer:
             lambda: _ServerConnection(self, self._max_frame_bytes), self._host, self._port)
         sockname = self._server.sockets[0].getsockname()
         self._address = f"{sockname[0]}:{sockname[1]}"
+        if self.local_calls:
+            _local.register(self)
         if self._heartbeat_s > 0:
             self._heartbeat = loop.create_task(self._beat(), name="rpc-heartbeat")
         log.info("request plane listening on %s, endpoints %s", self._address, self.endpoints)
@@ -113,6 +124,27 @@ class RpcServer:
             for conn in self._connections:
                 conn.heartbeat()
 
+    def local_started(self) -> Callable[[], None]:
+        """Count a stream of a caller in this process (``_local.LocalStream``) until the
+        returned function is called, so ``stop()`` drains it too."""
+        self._local_streams += 1
+        self._local_idle.clear()
+
+        def done() -> None:
+            self._local_streams -= 1
+            if not self._local_streams:
+                self._local_idle.set()
+
+        return done
+
+    @staticmethod
+    def log_handler_error(ctx: RequestContext, exc: Exception) -> None:
+        if any(cls.__name__ in WIRE_ERRORS for cls in type(exc).__mro__):
+            log.info("request %s on %s: %s: %s", ctx.request_id, ctx.endpoint,
+                     type(exc).__name__, exc)
+        else:
+            log.error("request %s on %s failed", ctx.request_id, ctx.endpoint, exc_info=exc)
+
     def _track(self, conn: _ServerConnection, alive: bool) -> None:
         if alive:
             self._connections.add(conn)
@@ -128,6 +160,7 @@ class RpcServer:
         if self._server is None or self._stopping:
             return
         self._stopping = True
+        _local.unregister(self)
         self._server.close()
         if self._heartbeat is not None:
             self._heartbeat.cancel()
@@ -152,6 +185,11 @@ class RpcServer:
                 if stuck:
                     log.error("%d handlers ignored cancellation; closing their connections",
                               len(stuck))
+        if self._local_streams:  # callers in this process: they run in their own tasks
+            log.info("waiting for %d local stream(s) (grace %.1fs)", self._local_streams, grace)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(grace):
+                    await self._local_idle.wait()
         for conn in list(self._connections):
             conn.close()
         with contextlib.suppress(TimeoutError):
@@ -268,7 +306,7 @@ class _ServerConnection(asyncio.Protocol):
             self._end_stream()
             raise
         except Exception as exc:  # the handler's error goes to the caller, typed
-            self._log_handler_error(ctx, exc)
+            self._server.log_handler_error(ctx, exc)
             self._end_stream()
             self._write(self._encoder.error(exc))
         else:
@@ -298,14 +336,6 @@ class _ServerConnection(asyncio.Protocol):
         if self.task is not None and self._ctx is not None and not self._ctx.cancelled:
             self._ctx.cancelled = True
             self.task.cancel()
-
-    @staticmethod
-    def _log_handler_error(ctx: RequestContext, exc: Exception) -> None:
-        if any(cls.__name__ in WIRE_ERRORS for cls in type(exc).__mro__):
-            log.info("request %s on %s: %s: %s", ctx.request_id, ctx.endpoint,
-                     type(exc).__name__, exc)
-        else:
-            log.error("request %s on %s failed", ctx.request_id, ctx.endpoint, exc_info=exc)
 
     # -- output -----------------------------------------------------------------------
 

@@ -84,3 +84,13 @@ def test_dry_run_names_what_runs_here(capsys: pytest.CaptureFixture[str]) -> Non
     assert main(["serve", TARGET, "--dry-run", "--host", "198.18.0.9",
                  "--service-name", "Relay", "--service-name", "Source"]) == 0
     assert "on this host (198.18.0.9): Relay, Source" in capsys.readouterr().out
+
+
+def test_an_embedded_component_starts_with_its_host() -> None:
+    graph = resolve_target("graphs.agg:Frontend")
+    configs = resolve_config(graph, "configs/agg.yaml",
+                             ["--Processor.ServiceArgs.embed-in=Frontend"])
+    assert list(serve_part.select(graph, configs, ["Frontend"])) == ["Frontend", "Processor"]
+    assert list(serve_part.select(graph, configs, ["VllmWorker"])) == ["VllmWorker"]
+    with pytest.raises(GraphError, match="Processor: it runs inside Frontend's processes"):
+        serve_part.select(graph, configs, ["Processor"])

@@ -144,3 +144,20 @@ async def test_a_replacement_registering_while_all_refuse_is_used() -> None:
     task = asyncio.create_task(replace())
     assert await collect(c.round_robin("p")) == ["addr2", "p"]
     await task
+
+
+async def test_an_instance_in_this_process_is_preferred() -> None:
+    from dynagraph.runtime.rpc import RpcServer
+
+    srv = RpcServer(local_calls=True)
+    await srv.start()
+    try:
+        source = Source(1, 2)
+        source.live.append(Inst(3, srv.address))  # an embedded component of this process
+        c = EndpointClient(FakeCaller(), source, "W", "generate")
+        seen = {(await collect(c.round_robin("x")))[0] for _ in range(4)}
+        assert seen == {srv.address}
+        source.live.pop()  # gone: the others again
+        assert {(await collect(c.round_robin("x")))[0] for _ in range(4)} == {"addr1", "addr2"}
+    finally:
+        await srv.stop()

@@ -6,7 +6,7 @@ import pytest
 
 from dynagraph.errors import ConfigError
 from dynagraph.sdk import resolve_config
-from dynagraph.sdk._config import build_config, parse_overrides
+from dynagraph.sdk._config import build_config, embedded_in, parse_overrides
 from tests.unit.sdk.example_components import Back, BackConfig, pipeline
 
 
@@ -90,3 +90,32 @@ def test_parse_overrides() -> None:
     }
     with pytest.raises(ConfigError, match="must look like"):
         parse_overrides(["--nodot=1"])
+
+
+def test_an_embedded_component_runs_once_per_host_process(tmp_path: Path) -> None:
+    p = write(tmp_path, """
+Front:
+  ServiceArgs: {workers: 3}
+Middle:
+  ServiceArgs: {embed-in: Front}
+""")
+    cfgs = resolve_config(pipeline, p)
+    assert cfgs["Middle"].service_args.embed_in == "Front"
+    assert cfgs["Middle"].service_args.workers == 3  # the host's
+    assert cfgs["Middle"].service_args.model_dump()["embed-in"] == "Front"  # as the spec has it
+    assert embedded_in(cfgs, "Front") == ["Middle"] and embedded_in(cfgs, "Back") == []
+
+
+@pytest.mark.parametrize(("section", "match"), [
+    ("Middle:\n  ServiceArgs: {embed-in: Nope}", "'Nope' is not another component"),
+    ("Middle:\n  ServiceArgs: {embed-in: Middle}", "'Middle' is not another component"),
+    ("Middle:\n  ServiceArgs: {embed-in: Back}", "Back does not call Middle"),
+    ("Back:\n  ServiceArgs: {embed-in: Middle}\nMiddle:\n  ServiceArgs: {embed-in: Front}",
+     "Middle is itself embedded"),
+    ("Middle:\n  ServiceArgs: {embed-in: Front, workers: 2}", "set Front's workers instead"),
+])
+def test_embedding_is_refused_naming_the_key(tmp_path: Path, section: str, match: str) -> None:
+    with pytest.raises(ConfigError, match=match) as info:
+        resolve_config(pipeline, write(tmp_path, section))
+    assert info.value.key in ("ServiceArgs.embed-in", "ServiceArgs.workers")
+    assert "graph.yaml" in str(info.value)
