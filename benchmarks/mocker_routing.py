@@ -86,6 +86,9 @@ def _args() -> argparse.Namespace:
     p.add_argument("--calm-wait", type=float, default=120.0,
                    help="longest wait for --calm-load per run, seconds")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--serve-arg", action="append", default=[],
+                   help="one more dynamo serve override, e.g. "
+                        "--serve-arg=--Processor.ServiceArgs.embed-in=Frontend")
     p.add_argument("--name", default="mocker_routing")
     return p.parse_args()
 
@@ -263,7 +266,7 @@ def main() -> int:
     model_dir = ensure_model(REPO / "models" / "tiny-llama")
     overrides = [f"--Common.model={model_dir}",
                  f"--MockerWorker.ServiceArgs.workers={args.workers}",
-                 f"--MockerWorker.engines-per-process={args.engines}"]
+                 f"--MockerWorker.engines-per-process={args.engines}", *args.serve_arg]
     with serve_graph("graphs.mocker_router:Frontend", "configs/mocker_router.yaml",
                      overrides) as g:
         result = asyncio.run(bench(g.url, g.etcd.url, args, g.server.pid))

