@@ -31,7 +31,11 @@ from dynagraph.errors import ConfigError, EngineError, InvalidRequest, PromptToo
 from dynagraph.llm.engines.base import EngineLoad, EngineOutput, FinishReason, SamplingSpec
 from dynagraph.llm.engines.nice import renice
 from dynagraph.llm.engines.reaper import Reaper, vllm_descendants
-from dynagraph.llm.engines.vllm_stats import LoadTracker, make_stat_logger_factory
+from dynagraph.llm.engines.vllm_stats import (
+    LoadTracker,
+    make_stat_logger_factory,
+    no_prometheus_logger,
+)
 from dynagraph.runtime import progress
 
 log = logging.getLogger(__name__)
@@ -351,8 +355,10 @@ class VllmEngine:
             engine_args = AsyncEngineArgs(**kwargs)
         except TypeError as exc:
             raise ConfigError(f"bad vLLM engine argument: {exc}") from exc
-        factory = make_stat_logger_factory(self._tracker, self._num_blocks)
-        return AsyncLLM.from_engine_args(engine_args, stat_loggers=[factory])
+        loggers = [make_stat_logger_factory(self._tracker, self._num_blocks)]
+        if not self.args.log_stats:  # else vLLM adds its Prometheus logger all the same
+            loggers.append(no_prometheus_logger())
+        return AsyncLLM.from_engine_args(engine_args, stat_loggers=loggers)
 
     async def start(self) -> None:
         """Load the model and start vLLM's engine core, off the event loop."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from dynagraph.llm.engines.vllm_stats import LoadTracker, kv_transfers, pool_counters
 
 NIXL = {"transfer_duration": [0.002, 0.004], "post_duration": [0.0001, 0.0002],
@@ -123,3 +125,18 @@ def test_tracker_adds_pool_steps_to_the_load() -> None:
     assert (load.kv_pool_query_tokens, load.kv_pool_hit_tokens) == (96, 64)
     assert (load.kv_pool_loaded_bytes, load.kv_pool_load_seconds) == (40, 0.25)
     assert (load.kv_pool_stored_bytes, load.kv_pool_evictions, load.kv_pool_usage) == (101, 2, 0.5)
+
+
+@pytest.mark.vllm
+def test_vllms_prometheus_logger_is_replaced_by_one_that_records_nothing() -> None:
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+    from dynagraph.llm.engines.vllm_stats import no_prometheus_logger
+
+    cls = no_prometheus_logger()
+    assert issubclass(cls, PrometheusStatLogger)  # so vLLM does not add its own
+    logger = cls(SimpleNamespace(), [0])
+    logger.record(None, None)
+    logger.log()
+    logger.log_engine_initialized()
+    assert logger.engine_indexes == [0]
