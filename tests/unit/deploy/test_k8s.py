@@ -147,7 +147,9 @@ def test_one_deployment_per_component_following_the_config(graph: str) -> None:
     manifests = manifests_for(graph)
     deployments = {m["metadata"]["labels"]["dynagraph.io/component"]: m
                    for m in manifests if m["kind"] == "Deployment"}
-    assert list(deployments) == spec.graph.names()
+    # an embedded component (agg's Processor) runs in its host's pods
+    assert list(deployments) == [n for n in spec.graph.names()
+                                 if spec.configs[n].service_args.embed_in is None]
     for name, dep in deployments.items():
         cfg = spec.configs[name]
         assert dep["spec"]["replicas"] == cfg.service_args.workers
@@ -186,7 +188,7 @@ def test_external_etcd_and_nats_deploy_neither() -> None:
     manifests = manifests_for("agg", etcd_url="http://etcd.infra:2379",
                               nats_url="nats://nats.infra:4222", create_namespace=False)
     assert [m["kind"] for m in manifests] == ["ConfigMap", "Deployment", "Deployment",
-                                              "Deployment", "Service"]
+                                              "Service"]  # agg: Frontend (with Processor), worker
     c = manifests[1]["spec"]["template"]["spec"]["containers"][0]
     assert c["env"][:2] == [{"name": "ETCD_ENDPOINTS", "value": "http://etcd.infra:2379"},
                             {"name": "NATS_SERVER", "value": "nats://nats.infra:4222"}]
@@ -331,3 +333,17 @@ def test_component_names_that_collide_are_rejected() -> None:
     with pytest.raises(ConfigError) as info:
         build_manifests(spec, K8sOptions(name="t"))
     assert info.value.component == "Nats" and "'nats' is taken" in str(info.value)
+
+
+def test_an_embedded_component_has_no_deployment_and_round_trips(tmp_path: Path) -> None:
+    overrides = ["--Frontend.ServiceArgs.workers=2"]  # configs/agg.yaml embeds the Processor
+    spec = spec_for("agg", overrides=overrides)
+    kinds = by_kind_name(manifests_for("agg", overrides=overrides))
+    deployments = {name for kind, name in kinds if kind == "Deployment"}
+    assert deployments == {"agg-frontend", "agg-vllm-worker"}
+    # the ConfigMap's file resolves again, also as each pod resolves it (workers=1)
+    path = tmp_path / "graph.yaml"
+    path.write_text(config_yaml(spec))
+    pod = resolve_config(spec.graph, path, ["--Frontend.ServiceArgs.workers=1"])
+    assert pod["Processor"].service_args.embed_in == "Frontend"
+    assert pod["Processor"].service_args.workers == 1
