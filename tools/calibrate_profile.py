@@ -13,7 +13,8 @@ waits out the profile and then does the graph's work again, so where the engine 
 How. The served profile ``S`` is the target. Serve ``graphs.mocker_agg`` with profile
 ``P_k`` (``P_0 = S``) at the grid's engine settings, measure the same grid the same way
 (``tools.profile_served.GraphProber``, the prober that measured ``S``) to get ``M_k``, and
-correct each point by its error: ``P_{k+1} = P_k - (M_k - S)`` (:func:`corrected`). What
+correct each point by its error: ``P_{k+1} = P_k - (M_k - S)`` (:func:`corrected`); a
+table whose mean error is under ``--min-error`` (5%) is left alone, its errors being noise. What
 is subtracted is the mocker graph's own time at that point, under the same pacing and CPU
 competition as the real one, not an idle-graph guess. A point never drops below
 ``--floor`` x its target (the graph's time can exceed a fast engine's; a step is never
@@ -60,16 +61,25 @@ def _cell(target: float, current: float, measured: float, floor: float) -> float
     return round(max(current - (measured - target), floor * target), 6)
 
 
-def corrected(target: Tables, current: Tables, measured: Tables, floor: float) -> Tables:
-    """``current`` with every point moved by its error ``measured - target`` (pure)."""
+def corrected(target: Tables, current: Tables, measured: Tables, floor: float,
+              min_error: float = 0.0) -> Tables:
+    """``current`` with every point moved by its error ``measured - target`` (pure). A
+    table whose mean relative error is below ``min_error`` is kept as it is: its points'
+    errors are noise, and moving them would only copy that noise into the profile."""
+    errors = relative_errors(target, measured)
+
     def table(kind: str) -> list[list[float]]:
+        if errors[kind] < min_error:
+            return [list(row) for row in current[kind]["seconds"]]
         return [[_cell(t, c, m, floor) for t, c, m in zip(tr, cr, mr, strict=True)]
                 for tr, cr, mr in zip(target[kind]["seconds"], current[kind]["seconds"],
                                       measured[kind]["seconds"], strict=True)]
 
     out: Tables = {kind: {**target[kind], "seconds": table(kind)}
                    for kind in ("prefill", "decode")}
-    out["mixed"] = [{**t, "seconds": _cell(t["seconds"], c["seconds"], m["seconds"], floor)}
+    keep_mixed = errors.get("mixed", 0.0) < min_error
+    out["mixed"] = [{**t, "seconds": c["seconds"] if keep_mixed else
+                     _cell(t["seconds"], c["seconds"], m["seconds"], floor)}
                     for t, c, m in zip(target.get("mixed", []), current.get("mixed", []),
                                        measured.get("mixed", []), strict=True)]
     return out
@@ -140,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="as the served profile was measured with")
     ap.add_argument("--floor", type=float, default=0.1,
                     help="no point drops below this fraction of its target")
+    ap.add_argument("--min-error", type=float, default=0.05,
+                    help="a table whose mean error is below this is left as it is (noise)")
     ns = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     os.environ.setdefault("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
@@ -163,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
             errors = relative_errors(target, measured)
             log.info("pass %d: mean |mocker / target - 1| %s", k + 1, errors)
             passes.append(f"pass {k + 1} served error {json.dumps(errors)}")
-            current = corrected(target, current, measured, ns.floor)
+            current = corrected(target, current, measured, ns.floor, ns.min_error)
     finally:
         work.unlink(missing_ok=True)
     elapsed = time.monotonic() - began
@@ -172,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         "description": (
             f"{source.name} calibrated for the mocker graph: each point moved by the served "
             f"mocker graph's error against it (tools/calibrate_profile.py: "
-            f"{ns.iterations} iteration(s), {ns.repeats} repeats, floor {ns.floor}; "
+            f"{ns.iterations} iteration(s), {ns.repeats} repeats, floor {ns.floor}, tables "
+            f"with a mean error under {ns.min_error} kept; "
             f"{'; '.join(passes)}; {elapsed:.0f} s). Source: {source.description}"),
         "measured_with": "python -m tools.calibrate_profile " + " ".join(sys.argv[1:]),
     }

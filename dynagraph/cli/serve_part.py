@@ -15,7 +15,7 @@ from typing import Any
 
 from dynagraph.errors import ConfigError, GraphError
 from dynagraph.runtime.addresses import HOST_ENV, is_loopback
-from dynagraph.sdk._config import ComponentConfig
+from dynagraph.sdk._config import ComponentConfig, embedded_in
 from dynagraph.sdk._graph import Graph
 
 SHARED_INFRA = ("ETCD_ENDPOINTS", "NATS_SERVER")
@@ -40,7 +40,7 @@ def select(graph: Graph, configs: Mapping[str, ComponentConfig],
         if host is not None and host not in wanted:
             raise GraphError(f"--service-name {n}: it runs inside {host}'s processes "
                              f"(ServiceArgs.embed-in); serve {host} here too")
-    wanted |= {n for n, c in configs.items() if c.service_args.embed_in in wanted}
+    wanted |= {guest for host in list(wanted) for guest in embedded_in(configs, host)}
     return {n: configs[n] for n in known if n in wanted}
 
 

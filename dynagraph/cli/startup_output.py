@@ -12,6 +12,7 @@ from typing import Any
 
 from dynagraph.cli._logging import quiet_vllm
 from dynagraph.cli.startup import OutputFilter, StartupView
+from dynagraph.sdk._config import embedded_in
 
 
 def emit(text: str) -> None:
@@ -31,8 +32,7 @@ class StartupOutput:
         self.quiet = log_level != "debug"
         workers = {n: c.service_args.workers for n, c in configs.items()
                    if c.service_args.embed_in is None}  # those run in their hosts' processes
-        guests = {n: [g for g, c in configs.items() if c.service_args.embed_in == n]
-                  for n in workers}
+        guests = {n: embedded_in(configs, n) for n in workers}
         names = [f"{n}[{i}]" for n, w in workers.items() for i in range(w)]
         self.view = StartupView(self.t0, names)
         self._all_ready = asyncio.Event()

@@ -19,6 +19,7 @@ unknown keys and wrong types raise ``ConfigError`` naming the file, component an
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -167,7 +168,7 @@ def resolve_config(
     return out
 
 
-def embedded_in(configs: dict[str, ComponentConfig], host: str) -> list[str]:
+def embedded_in(configs: Mapping[str, ComponentConfig], host: str) -> list[str]:
     """The components that run inside each worker process of ``host``."""
     return [n for n, c in configs.items() if c.service_args.embed_in == host]
 

@@ -119,7 +119,11 @@ class VllmEngineArgs(BaseModel):
     warmup: bool = True
     """Serve one short request before the worker registers (``VllmEngine._warm_up``)."""
     log_stats: bool = False
-    """Also run vLLM's own stat loggers (periodic log lines, ``vllm:*`` Prometheus metrics)."""
+    """Also run vLLM's periodic stats log lines."""
+    vllm_metrics: bool = True
+    """vLLM's own ``vllm:*`` Prometheus metrics (prompt tokens by source, NIXL transfer
+    bytes, ...) in the worker's registry; false skips their recording on every engine step
+    (~2% of a busy worker's CPU at 64 streams, py-spy)."""
     structured_outputs_backend: Literal[
         "auto", "xgrammar", "guidance", "outlines", "lm-format-enforcer", "none"] = "auto"
     """vLLM's structured-output backend; ``none`` refuses constrained requests."""
@@ -356,7 +360,7 @@ class VllmEngine:
         except TypeError as exc:
             raise ConfigError(f"bad vLLM engine argument: {exc}") from exc
         loggers = [make_stat_logger_factory(self._tracker, self._num_blocks)]
-        if not self.args.log_stats:  # else vLLM adds its Prometheus logger all the same
+        if not self.args.vllm_metrics:  # else vLLM adds its Prometheus logger
             loggers.append(no_prometheus_logger())
         return AsyncLLM.from_engine_args(engine_args, stat_loggers=loggers)
 

@@ -195,9 +195,9 @@ def no_prometheus_logger() -> Any:
     """A stand-in for vLLM's own ``PrometheusStatLogger`` that records nothing.
 
     vLLM adds its Prometheus logger to every engine that logs stats (ours must: the load
-    tracker reads them) unless a logger of that class is passed in; its ``record`` ran on
-    every engine step and was ~2% of a busy VllmWorker's samples (py-spy, 64 streams), for
-    ``vllm:*`` metrics nothing reads unless ``log-stats`` is on.
+    tracker reads them) unless a logger of that class is passed in; its ``record`` runs on
+    every engine step, ~2% of a busy VllmWorker's samples (py-spy, 64 streams). Passed in
+    when ``vllm-metrics`` is false.
     """
     from vllm.v1.metrics.loggers import PrometheusStatLogger
 

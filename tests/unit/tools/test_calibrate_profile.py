@@ -47,3 +47,12 @@ def test_relative_errors_are_means_per_table() -> None:
     measured = _tables([[0.012], [0.020]], [[0.005, 0.005]], [0.027])
     errors = relative_errors(target, measured)
     assert errors == {"prefill": 0.1, "decode": 0.125, "mixed": 0.1}
+
+
+def test_a_table_within_the_noise_is_left_alone() -> None:
+    target = _tables([[0.010], [0.020]], [[0.004, 0.005]], [0.030])
+    measured = _tables([[0.013], [0.025]], [[0.0041, 0.0049]], [0.036])  # decode: 2% off
+    out = corrected(target, target, measured, floor=0.1, min_error=0.05)
+    assert out["decode"]["seconds"] == [[0.004, 0.005]]  # kept as measured
+    assert out["prefill"]["seconds"] == [[0.007], [0.015]]  # corrected
+    assert out["mixed"][0]["seconds"] == pytest.approx(0.024)
