@@ -41,7 +41,8 @@ def instances_prefix(namespace: str) -> str:
 
 def targets_from_records(records: Mapping[str, Any],
                          static: Iterable[TargetGroup] = ()) -> list[TargetGroup]:
-    """file_sd groups, one per process that publishes a metrics address, sorted.
+    """file_sd groups, one per process that publishes a metrics address (the first of its
+    instances in sort order labels it), sorted.
 
     ``records`` maps instance keys to their JSON values; keys that are not
     instance records, and records without ``metrics``, are ignored.
@@ -61,7 +62,14 @@ def targets_from_records(records: Mapping[str, Any],
         groups.append({"targets": [str(address)], "labels": labels})
     groups.sort(key=lambda g: (g["labels"]["namespace"], g["labels"]["component"],
                                g["labels"].get("worker_index", ""), g["labels"]["instance_id"]))
-    return [*sorted(static, key=lambda g: json.dumps(g, sort_keys=True)), *groups]
+    # One group per address: instances that share a process (an embedded component, or
+    # several engines per process) share its metrics server, and scraping it once per
+    # instance would count every series that many times. The first in order names it.
+    by_address: dict[str, TargetGroup] = {}
+    for g in groups:
+        by_address.setdefault(g["targets"][0], g)
+    unique = list(by_address.values())
+    return [*sorted(static, key=lambda g: json.dumps(g, sort_keys=True)), *unique]
 
 
 def static_target(address: str, job: str, **labels: str) -> TargetGroup:

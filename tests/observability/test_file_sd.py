@@ -35,6 +35,19 @@ def test_targets_from_records() -> None:
                                    "worker_index": "0"}
 
 
+def test_instances_sharing_a_process_are_scraped_once() -> None:
+    records = {  # an embedded Processor beside its Frontend; two engines of one process
+        "/dynamo/instances/Processor/5e": {"metrics": "127.0.0.1:9000", "worker_index": 0},
+        "/dynamo/instances/Frontend/3c": {"metrics": "127.0.0.1:9000", "worker_index": 0},
+        "/dynamo/instances/MockerWorker/7b": {"metrics": "127.0.0.1:9001", "worker_index": 1},
+        "/dynamo/instances/MockerWorker/6a": {"metrics": "127.0.0.1:9001", "worker_index": 0},
+    }
+    groups = targets_from_records(records)
+    assert [(g["targets"], g["labels"]["component"], g["labels"]["instance_id"])
+            for g in groups] == [(["127.0.0.1:9000"], "Frontend", "3c"),
+                                 (["127.0.0.1:9001"], "MockerWorker", "6a")]
+
+
 def test_write_atomically_only_when_changed(tmp_path: Path) -> None:
     path = tmp_path / "sub" / "t.json"
     assert write_atomically(str(path), [static_target("a:1", "x")])
