@@ -19,7 +19,6 @@ handler yields them, not copied: handlers yield fresh builtins (``to_wire()``).
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import AsyncGenerator
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -34,8 +33,6 @@ from ._framing import _default, error_body, error_from_frame
 
 if TYPE_CHECKING:
     from ._server import RpcServer
-
-log = logging.getLogger(__name__)
 
 _SERVERS: dict[str, RpcServer] = {}
 """Started servers of this process by address."""
