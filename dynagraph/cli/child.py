@@ -102,7 +102,7 @@ async def run(spec: dict[str, Any], component: str, index: int) -> int:
     # components embedded in this one (ServiceArgs.embed-in) start first, so it finds
     # them when it starts, and stop last, after it has drained
     guests = [instances_of(n, embedded=True) for n, c in spec["configs"].items()
-              if c.get("service_args", {}).get("embed-in") == component]
+              if c["service_args"].get("embed-in") == component]
     parts = [*guests, instances_of(component)]
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -132,9 +132,10 @@ class RuntimeScaling:
                 want = parse_replicas(value)
                 if name not in names:
                     continue
-                if want is not None and self.started[name].service_args.embed_in is not None:
+                host = self.started[name].service_args.embed_in
+                if want is not None and host is not None:
                     log.warning("ignoring %s = %r: %s runs inside %s's processes; scale "
-                                "that", key, value, name, self.started[name].service_args.embed_in)
+                                "that", key, value, name, host)
                     continue
                 if want is None:
                     if value is not None:
