@@ -7,7 +7,10 @@ Serves ``graphs.agg`` (``configs/agg.yaml``: one real vLLM worker on the tiny mo
 users run it, with the engine's cache cut to ``--blocks`` blocks of 32 tokens
 (``num-gpu-blocks-override``), once per setting: ``off`` (no pool), ``GIB`` (a pool of
 that size, ``kv-offload-gib``) or ``GIB:CODEC`` (that pool storing blocks compressed,
-``kv-compression``; a pool too small for every prefix shows what compression buys).
+``kv-compression``; a pool too small for every prefix shows what compression buys), each
+optionally ``@NAME``: with a tier under the pool, ``kv-offload-dir`` = ``--tier-root``/NAME
+(kept for the whole run, so a later setting with the same NAME is a fresh graph that finds
+what an earlier one left there: ``off,1@t,1@t`` shows a restarted worker loading from it).
 Sends ``--prefixes`` distinct prompts of ``--prefix-tokens`` random token ids one after
 the other, ``--rounds`` times (streamed ``/v1/completions``, 4 output tokens): the
 prefixes together are larger than the engine's cache, so by the time a prefix comes
@@ -26,6 +29,7 @@ import os
 import random
 import re
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -55,6 +59,7 @@ def pool_metrics(address: str) -> dict[str, float]:
     text = scrape(address)
     out = {k: total(text, f"dynamo_worker_kv_pool_{k}_total") for k in POOL_SERIES}
     out["prefix_cache_hit_tokens"] = total(text, "dynamo_worker_prefix_cache_hits_total")
+    out["tier_hit_tokens"] = total(text, "dynamo_worker_kv_tier_hit_tokens_total")
     return out
 
 
@@ -78,8 +83,9 @@ async def one_round(url: str, prompts: list[list[int]], rnd: int) -> dict[str, A
 
 
 def run_setting(setting: str, args: argparse.Namespace, infra: dict[str, Any],
-                model_dir: Path, prompts: list[list[int]]) -> dict[str, Any]:
-    gib, _, codec = setting.partition(":")
+                model_dir: Path, prompts: list[list[int]], tier_root: Path) -> dict[str, Any]:
+    pool, _, tier = setting.partition("@")
+    gib, _, codec = pool.partition(":")
     pool_gib = 0.0 if gib == "off" else float(gib)
     port = free_port()
     env = {**os.environ, "ETCD_ENDPOINTS": infra["etcd"].url, "NATS_SERVER": infra["nats"].url,
@@ -94,6 +100,8 @@ def run_setting(setting: str, args: argparse.Namespace, infra: dict[str, Any],
            f"--VllmWorker.cpu-reserved-cores={args.reserved_cores}"]
     if codec:
         cmd.append(f"--VllmWorker.kv-compression={codec}")
+    if tier:
+        cmd.append(f"--VllmWorker.kv-offload-dir={tier_root / tier}")
     server = ManagedProcess(cmd, env, name=f"agg-pool-{setting}")
     try:
         banner, _ = server.wait_line(lambda s: "VllmWorker[0] pid=" in s, 420)
@@ -113,6 +121,7 @@ def run_setting(setting: str, args: argparse.Namespace, infra: dict[str, Any],
             log.info("setting %s round %d: %s", setting, rnd, out)
             rounds.append(out)
         return {"setting": setting, "pool_gib": pool_gib, "codec": codec or "none",
+                "tier": tier or None,
                 "rounds": rounds, "load_average_before": load0,
                 "load_average_after": load_average(), "command": " ".join(cmd[1:])}
     finally:
@@ -144,12 +153,13 @@ def markdown(result: dict[str, Any]) -> str:
             w = r["worker"]
             t = r["ttft_ms"]
             rows.append({
-                "setting": run["setting"], "round": r["round"],
+                "setting": run.get("label", run["setting"]), "round": r["round"],
                 "TTFT mean / p50 / max (ms)": (f"{t.get('mean', float('nan')):.1f} / "
                                                f"{t.get('p50', float('nan')):.1f} / "
                                                f"{t.get('max', float('nan')):.1f}"),
                 "errors": len(r["errors"]),
-                "pool hit tokens": int(w["hit_tokens"]),
+                "pool hit tokens (from the tier)": (f"{int(w['hit_tokens'])} "
+                                                    f"({int(w.get('tier_hit_tokens', 0))})"),
                 "engine cache hit tokens": int(w["prefix_cache_hit_tokens"]),
                 "loaded MiB (s)": f"{w['loaded_bytes'] / 2**20:.1f} ({w['load_seconds']:.3f})",
                 "stored MiB": f"{w['stored_bytes'] / 2**20:.1f}",
@@ -162,6 +172,14 @@ def markdown(result: dict[str, Any]) -> str:
         lines += ["", "Last round, mean TTFT against `off` (goal <= 0.6x with a pool): "
                   + ", ".join(f"`{k}` **{v / off:.2f}x**" for k, v in last.items()
                               if k != "off" and v) + "."]
+    first = [(run.get("label", run["setting"]), run["rounds"][0]["ttft_ms"].get("mean"))
+             for run in runs]
+    off_first = dict(first).get("off")
+    if off_first and any(run.get("tier") for run in runs):
+        lines += ["", "First round, mean TTFT against `off` (a setting that follows another "
+                  "with the same tier starts with it filled): " + ", ".join(
+                      f"`{k}` **{v / off_first:.2f}x**" for k, v in first if k != "off" and v)
+                  + "."]
     lines += ["", "Load average before / after each setting: " + ", ".join(
         f"`{r['setting']}` {r['load_average_before']:.1f} / {r['load_average_after']:.1f}"
         for r in runs), ""]
@@ -175,7 +193,10 @@ def main() -> int:
     p.add_argument("--prefix-tokens", type=int, default=1500)
     p.add_argument("--blocks", type=int, default=160)
     p.add_argument("--settings", default="off,1,1:int8,0.012,0.012:int8",
-                   help="comma-separated: off | GIB | GIB:CODEC")
+                   help="comma-separated: off | GIB | GIB:CODEC, each optionally @TIER")
+    p.add_argument("--tier-root", default="/dev/shm",
+                   help="where the @TIER directories go (a tmpfs: a RAM tier; a disk: a "
+                        "disk tier); removed at the end")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--reserved-cores", type=int, default=1,
@@ -186,10 +207,14 @@ def main() -> int:
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(100, 2000) for _ in range(args.prefix_tokens)]
                for _ in range(args.prefixes)]
-    runs = []
-    with local_infra(etcd=True, nats=True) as infra:
+    runs: list[dict[str, Any]] = []
+    with local_infra(etcd=True, nats=True) as infra, tempfile.TemporaryDirectory(
+            prefix="kv-offload-bench-", dir=args.tier_root) as tiers:
         for setting in args.settings.split(","):
-            runs.append(run_setting(setting, args, infra, model_dir, prompts))
+            run = run_setting(setting, args, infra, model_dir, prompts, Path(tiers))
+            if any(r["setting"] == setting for r in runs):
+                run["label"] = f"{setting} (a fresh graph)"
+            runs.append(run)
     publish(args.name, {"args": vars(args), "runs": runs,
                         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}, markdown)
     errors = sum(len(r["errors"]) for run in runs for r in run["rounds"])

@@ -131,7 +131,11 @@ CATALOG: tuple[MetricSpec, ...] = (
        "Prompt tokens past the engine's own prefix looked up in its KV connectors.",
        ("worker",), WORKER),
     _m("dynamo_worker_kv_pool_hit_tokens_total", "counter",
-       "Prompt tokens loaded from the host KV pool instead of computed.", ("worker",), WORKER),
+       "Prompt tokens loaded from the host KV pool (or the tier under it) instead of "
+       "computed.", ("worker",), WORKER),
+    _m("dynamo_worker_kv_tier_hit_tokens_total", "counter",
+       "Of those, prompt tokens found in the tier under the pool (kv-offload-dir).",
+       ("worker",), WORKER),
     _m("dynamo_worker_kv_pool_loaded_bytes_total", "counter",
        "Bytes of KV loaded from the host KV pool into the engine.", ("worker",), WORKER),
     _m("dynamo_worker_kv_pool_load_seconds_total", "counter",

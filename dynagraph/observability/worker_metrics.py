@@ -29,6 +29,7 @@ _COUNTERS: tuple[tuple[str, Callable[[EngineLoad], float]], ...] = (
     ("dynamo_worker_prefix_cache_hits_total", lambda load: load.prefix_cache_hits),
     ("dynamo_worker_kv_pool_query_tokens_total", lambda load: load.kv_pool_query_tokens),
     ("dynamo_worker_kv_pool_hit_tokens_total", lambda load: load.kv_pool_hit_tokens),
+    ("dynamo_worker_kv_tier_hit_tokens_total", lambda load: load.kv_tier_hit_tokens),
     ("dynamo_worker_kv_pool_loaded_bytes_total", lambda load: load.kv_pool_loaded_bytes),
     ("dynamo_worker_kv_pool_load_seconds_total", lambda load: load.kv_pool_load_seconds),
     ("dynamo_worker_kv_pool_stored_bytes_total", lambda load: load.kv_pool_stored_bytes),

@@ -59,6 +59,10 @@ async def greedy(engine: VllmEngine, rid: str, tokens: list[int]) -> list[int]:
     return out
 
 
+def pool_regions() -> list[Path]:
+    return list(Path("/dev/shm").glob("vllm_offload_*"))
+
+
 async def until(check: object, within_s: float = 10.0) -> None:
     deadline = time.monotonic() + within_s
     while not check():  # type: ignore[operator]
@@ -110,3 +114,36 @@ async def test_the_quality_guard_passes_int8_and_refuses_a_bad_codec(
         assert report.pool_hit_tokens > 0
     finally:
         await engine.shutdown()
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_a_second_worker_loads_a_prefix_the_first_left_in_the_shared_tier(
+        model_dir: Path, tmp_path: Path) -> None:
+    """``kv-offload-dir``: worker A's pool writes its blocks through to the directory;
+    worker B (its own engine and pool, same directory) finds them there, loads them
+    instead of computing them, and generates the same greedy tokens."""
+    def tiered() -> VllmEngine:
+        return VllmEngine(VllmEngineArgs(
+            model=str(model_dir), block_size=TEST_BLOCK_SIZE, max_model_len=1024,
+            max_num_seqs=2, kv_offload_gib=0.05, kv_offload_dir=str(tmp_path)))
+
+    a, b = tiered(), tiered()
+    try:
+        with in_process_model():
+            await a.start()
+            await b.start()
+        tokens = prompt(7)
+        from_a = await greedy(a, "tier-a", tokens)
+        assert a.load().kv_tier_hit_tokens == 0
+        await until(lambda: len(list(tmp_path.rglob("*.bin"))) >= PROMPT_BLOCKS)
+        from_b = await greedy(b, "tier-b", tokens)
+        assert from_b == from_a
+        await until(lambda: b.load().kv_tier_hit_tokens > 0)
+        load = b.load()
+        assert load.kv_tier_hit_tokens >= (PROMPT_BLOCKS - 1) * TEST_BLOCK_SIZE
+        assert load.kv_pool_hit_tokens >= load.kv_tier_hit_tokens
+        assert load.kv_pool_loaded_bytes > 0
+    finally:
+        await a.shutdown()
+        await b.shutdown()
+    assert not pool_regions()  # the pools' shared regions went with them

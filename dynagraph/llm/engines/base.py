@@ -136,7 +136,10 @@ class EngineLoad(BaseModel):
     kv_pool_query_tokens: int = 0
     """Prompt tokens past the engine's own prefix looked up in its KV connectors."""
     kv_pool_hit_tokens: int = 0
-    """Of those, tokens loaded from the host KV pool (``kv-offload-gib``) since start."""
+    """Of those, tokens loaded from the host KV pool (``kv-offload-gib``) or the tier
+    under it (``kv-offload-dir``) since start."""
+    kv_tier_hit_tokens: int = 0
+    """Of those, tokens found in the tier under the pool (``kv-offload-dir``)."""
     kv_pool_loaded_bytes: int = 0
     kv_pool_load_seconds: float = 0.0
     kv_pool_stored_bytes: int = 0

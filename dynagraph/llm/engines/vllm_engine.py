@@ -23,9 +23,10 @@ import sys
 import time
 import warnings
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from dynagraph.errors import ConfigError, EngineError, InvalidRequest, PromptTooLong
 from dynagraph.llm.engines.base import EngineLoad, EngineOutput, FinishReason, SamplingSpec
@@ -79,6 +80,12 @@ class VllmEngineArgs(BaseModel):
     """Host KV pool (``dynagraph.llm.kv.host_pool``): blocks that leave the engine's cache
     are kept in this much host memory and loaded back for a later request with the same
     prefix instead of recomputed. 0: off. Combined with a NIXL connector if one is set."""
+    kv_offload_dir: str | None = None
+    """A tier under the host KV pool (``dynagraph.llm.kv.host_tiers``): every block the
+    pool stores is also written here, one file per block named by its hash, and a block
+    found here is loaded back through the pool. Every worker of the model that names the
+    same directory shares it: on a tmpfs (``/dev/shm/...``) a host-shared RAM tier, on a
+    disk a disk tier. Needs ``kv-offload-gib``. ``None``: off."""
     kv_compression: str = "none"
     """How the host KV pool stores blocks (``dynagraph.llm.kv.codec``): ``none``, ``int8``
     or ``fp8`` (groupwise scaled, ~1.94x more blocks in the same memory), or
@@ -144,6 +151,13 @@ class VllmEngineArgs(BaseModel):
                              "module:Class")
         return value
 
+    @model_validator(mode="after")
+    def _tier_needs_pool(self) -> VllmEngineArgs:
+        if self.kv_offload_dir and self.kv_offload_gib <= 0:
+            raise ValueError("kv-offload-dir is a tier under the host KV pool: set "
+                             "kv-offload-gib too")
+        return self
+
     @field_validator("kv_events_endpoint", "kv_events_replay_endpoint")
     @classmethod
     def _local_only(cls, value: str | None) -> str | None:
@@ -157,6 +171,9 @@ class VllmEngineArgs(BaseModel):
 
 SPREAD = "spread"
 
+TIER_IO_THREADS = 2
+"""Read and write threads of the ``kv-offload-dir`` tier (vLLM's default is 16 each)."""
+
 
 def kv_transfer_config(args: VllmEngineArgs) -> dict[str, Any] | None:
     """vLLM's ``KVTransferConfig`` fields: ``kv-transfer-config`` as given, the host KV
@@ -164,17 +181,21 @@ def kv_transfer_config(args: VllmEngineArgs) -> dict[str, Any] | None:
     second: a remote prefill's KV arrives over NIXL, the pool serves what was evicted)."""
     if args.kv_offload_gib <= 0:
         return args.kv_transfer_config
-    pool = {
-        "kv_connector": "OffloadingConnector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {
-            # dynagraph.llm.kv.host_pool (imports vLLM: named here, loaded by vLLM)
-            "spec_name": "HostPoolSpec",
-            "spec_module_path": "dynagraph.llm.kv.host_pool",
-            "cpu_bytes_to_use": int(args.kv_offload_gib * 2**30),
-            "codec": args.kv_compression,
-        },
-    }
+    # dynagraph.llm.kv.host_pool / host_tiers (import vLLM: named here, loaded by vLLM)
+    extra: dict[str, Any] = {
+        "spec_name": "HostPoolSpec", "spec_module_path": "dynagraph.llm.kv.host_pool",
+        "cpu_bytes_to_use": int(args.kv_offload_gib * 2**30), "codec": args.kv_compression}
+    if args.kv_offload_dir:  # vLLM's file-system tier, one directory per codec
+        codec_dir = args.kv_compression.replace(":", "-").replace("/", "-")
+        extra.update(spec_name="TieredHostPoolSpec",
+                     spec_module_path="dynagraph.llm.kv.host_tiers",
+                     secondary_tiers=[{
+                         "type": "fs",
+                         "root_dir": str(Path(args.kv_offload_dir).absolute() / codec_dir),
+                         "n_read_threads": TIER_IO_THREADS,
+                         "n_write_threads": TIER_IO_THREADS}])
+    pool = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": extra}
     if not args.kv_transfer_config:
         return pool
     given = dict(args.kv_transfer_config)

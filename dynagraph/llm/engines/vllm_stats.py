@@ -118,14 +118,17 @@ class LoadTracker:
                            lookups: Any = None) -> None:
         """One step's connector stats: NIXL transfers go to ``on_kv_transfer``, the host
         pool's counters into the load; ``lookups``: vLLM's ``PrefixCacheStats`` of the
-        connectors (its ``hits_by_source["host"]`` are the pool's hits)."""
+        connectors (its ``hits_by_source`` "host" and "disk" are the pool's and its tier's)."""
         listener = self.on_kv_transfer
         if listener is not None and payload:
             for nbytes, seconds in kv_transfers(payload):
                 listener(nbytes, seconds)
         got = pool_counters(payload) if payload else {}
         queries = int(getattr(lookups, "queries", 0) or 0)
-        hits = int((getattr(lookups, "hits_by_source", None) or {}).get("host", 0))
+        sources = {str(getattr(source, "value", source)): int(n) for source, n
+                   in (getattr(lookups, "hits_by_source", None) or {}).items()}
+        hits = sum(n for source, n in sources.items() if source in POOL_SOURCES)
+        tier_hits = sources.get(TIER_SOURCE, 0)
         if not got and not queries:
             return
         with self._lock:
@@ -133,6 +136,7 @@ class LoadTracker:
             update: dict[str, Any] = {
                 "kv_pool_query_tokens": load.kv_pool_query_tokens + queries,
                 "kv_pool_hit_tokens": load.kv_pool_hit_tokens + hits,
+                "kv_tier_hit_tokens": load.kv_tier_hit_tokens + tier_hits,
                 "kv_pool_loaded_bytes": load.kv_pool_loaded_bytes + int(got.get(_LOAD_BYTES, 0)),
                 "kv_pool_load_seconds": load.kv_pool_load_seconds + got.get(_LOAD_TIME, 0.0),
                 "kv_pool_stored_bytes": load.kv_pool_stored_bytes + int(got.get(_STORE_BYTES, 0)),
@@ -159,6 +163,11 @@ def kv_transfers(payload: Mapping[str, Any]) -> Iterator[tuple[int, float]]:
         if isinstance(value, Mapping):
             yield from kv_transfers(value)
 
+
+POOL_SOURCES = frozenset({"host", "disk"})
+"""vLLM's ``CacheHitSource`` values of the host pool and the tier under it."""
+TIER_SOURCE = "disk"
+"""The ``CacheHitSource`` of vLLM's file-system tier (``kv-offload-dir``)."""
 
 _LOAD_BYTES = "vllm:kv_offload_load_bytes"
 _LOAD_TIME = "vllm:kv_offload_load_time"

@@ -21,7 +21,7 @@ copied once. Imports vLLM: load it only inside an engine process.
 from __future__ import annotations
 
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any
 
 import numpy as np
@@ -57,22 +57,28 @@ Prometheus logger (``log-stats``) registers every counter a spec declares and, w
 engine shuts down, unregisters only the ``vllm`` ones."""
 
 
-class CountingManager(CPUOffloadingManager):
-    """vLLM's CPU offloading manager that also counts the blocks it evicts."""
+EVICTION_METRIC: dict[str, OffloadingMetricMetadata] = {
+    EVICTIONS: OffloadingCounterMetadata(documentation="Blocks the host KV pool evicted to "
+                                                       "make room.")}
+"""The metric a spec declares for :class:`EvictionCounting` managers."""
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._evicted = 0
+
+class EvictionCounting:
+    """Mixin for an ``OffloadingManager``: also counts the blocks it evicts (reported as
+    :data:`EVICTIONS` in its connector stats)."""
+
+    _evicted = 0
 
     def prepare_store(self, keys: Collection[OffloadKey],
                       req_context: ReqContext) -> PrepareStoreOutput | None:
-        out = super().prepare_store(keys, req_context)
+        out: PrepareStoreOutput | None = super().prepare_store(  # type: ignore[misc]
+            keys, req_context)
         if out is not None:
             self._evicted += len(out.evicted_keys)
         return out
 
     def get_stats(self) -> OffloadingConnectorStats | None:
-        stats = super().get_stats()
+        stats: OffloadingConnectorStats | None = super().get_stats()  # type: ignore[misc]
         if self._evicted:
             stats = stats if stats is not None else OffloadingConnectorStats()
             stats.increase_counter(EVICTIONS, self._evicted)
@@ -80,12 +86,20 @@ class CountingManager(CPUOffloadingManager):
         return stats
 
 
+class CountingManager(EvictionCounting, CPUOffloadingManager):
+    """vLLM's CPU offloading manager that also counts the blocks it evicts."""
+
+
 class HostPoolWorker(OffloadingWorker):
     """Copies whole blocks between the engine's KV tensors and a pool of the same rows,
     or, with a lossy ``codec``, of the rows as the codec encodes them."""
 
     def __init__(self, kv_caches: CanonicalKVCaches, num_chunks: int,
-                 codec: KvCodec | None = None, dtype: torch.dtype = torch.bfloat16) -> None:
+                 codec: KvCodec | None = None, dtype: torch.dtype = torch.bfloat16,
+                 pool_rows: Callable[[int], torch.Tensor] | None = None) -> None:
+        """``pool_rows(page_bytes)``: the pool's int8 rows for one tensor, ``(num_chunks,
+        page_bytes)`` (default: a private zeroed tensor; the tiered pool passes views
+        of its shared region)."""
         self._codec = codec if codec is not None and codec.name != "none" else None
         self._engine: list[torch.Tensor] = []
         self._pool: list[torch.Tensor] = []
@@ -96,10 +110,12 @@ class HostPoolWorker(OffloadingWorker):
             if self._codec is not None:
                 rows = rows.view(dtype)
                 unit = rows.element_size()
-                pool = torch.zeros((num_chunks, self._codec.encoded_bytes(rows.shape[1])),
-                                   dtype=torch.uint8)
+                encoded = self._codec.encoded_bytes(rows.shape[1])
+                pool = (pool_rows(encoded).view(torch.uint8) if pool_rows is not None
+                        else torch.zeros((num_chunks, encoded), dtype=torch.uint8))
             else:
-                pool = torch.zeros((num_chunks, t.page_size_bytes), dtype=torch.int8)
+                pool = (pool_rows(t.page_size_bytes) if pool_rows is not None
+                        else torch.zeros((num_chunks, t.page_size_bytes), dtype=torch.int8))
                 if t.page_size_bytes % 8 == 0:  # indexed copies of int8 rows run ~5x slower
                     try:
                         rows, pool, unit = rows.view(torch.int64), pool.view(torch.int64), 8
@@ -178,6 +194,17 @@ class HostPoolWorker(OffloadingWorker):
         self._engine.clear()
 
 
+def pool_codec(name: str, model_dtype: Any) -> tuple[KvCodec, torch.dtype]:
+    """The pool's codec (``kv-compression``) and the KV cache's element type; a lossy
+    codec needs a 16-bit cache."""
+    codec = make_codec(name)
+    dtype = getattr(torch, str(model_dtype).removeprefix("torch."), None)
+    if codec.name != "none" and dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"kv-compression {codec.name} needs a 16-bit KV cache, "
+                         f"not {model_dtype}")
+    return codec, dtype if isinstance(dtype, torch.dtype) else torch.bfloat16
+
+
 class HostPoolSpec(CPUOffloadingSpec):
     """vLLM's CPU offloading scheduler side with :class:`HostPoolWorker` copies."""
 
@@ -186,12 +213,9 @@ class HostPoolSpec(CPUOffloadingSpec):
         if self.blocks_per_chunk != 1:
             raise ValueError("the host KV pool stores one engine block per chunk; "
                              "leave block_size / blocks_per_chunk out of its extra config")
-        self.codec = make_codec(str(self.extra_config.get("codec", "none")))
-        self.dtype = getattr(torch, config.model.dtype, None)
+        self.codec, self.dtype = pool_codec(str(self.extra_config.get("codec", "none")),
+                                            config.model.dtype)
         if self.codec.name != "none":
-            if self.dtype not in (torch.bfloat16, torch.float16):
-                raise ValueError(f"kv-compression {self.codec.name} needs a 16-bit KV cache, "
-                                 f"not {config.model.dtype}")
             per_block = config.worker_kv_bytes_per_block * max(config.parallel.world_size, 1)
             if per_block > 0:  # the same memory holds more encoded blocks
                 encoded = self.codec.encoded_bytes(per_block // 2)
@@ -201,8 +225,7 @@ class HostPoolSpec(CPUOffloadingSpec):
     def build_metric_definitions(
             cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
         return {**super().build_metric_definitions(extra_config),
-                EVICTIONS: OffloadingCounterMetadata(
-                    documentation="Blocks the host KV pool evicted to make room.")}
+                **EVICTION_METRIC}
 
     def _uses_shared_region(self) -> bool:
         return False
@@ -222,7 +245,6 @@ class HostPoolSpec(CPUOffloadingSpec):
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None:
             self._worker = HostPoolWorker(  # type: ignore[assignment]
-                kv_caches, self.num_chunks, self.codec,
-                self.dtype if isinstance(self.dtype, torch.dtype) else torch.bfloat16)
+                kv_caches, self.num_chunks, self.codec, self.dtype)
         return self._worker  # type: ignore[return-value]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -107,6 +108,25 @@ def test_host_pool_alone_or_under_a_multi_connector_with_nixl() -> None:
         **nixl, "engine_id": "decode-1"}}))
     assert named is not None and named["engine_id"] == "decode-1"  # children inherit it
     assert named["kv_connector_extra_config"]["connectors"] == [nixl, pool]
+
+
+def test_a_tier_dir_puts_vllms_file_tier_under_the_pool_one_directory_per_codec(
+        tmp_path: Path) -> None:
+    args = VllmEngineArgs.model_validate({"model": "m", "kv-offload-gib": 0.5,
+                                          "kv-offload-dir": str(tmp_path)})
+    extra = kv_transfer_config(args)["kv_connector_extra_config"]  # type: ignore[index]
+    assert (extra["spec_module_path"], extra["spec_name"]) == (
+        "dynagraph.llm.kv.host_tiers", "TieredHostPoolSpec")
+    [tier] = extra["secondary_tiers"]
+    assert tier["type"] == "fs" and tier["root_dir"] == str(tmp_path / "none")
+    coded = kv_transfer_config(args.model_copy(update={"kv_compression": "pkg.mod:Codec"}))
+    assert coded["kv_connector_extra_config"]["secondary_tiers"][0][  # type: ignore[index]
+        "root_dir"] == str(tmp_path / "pkg.mod-Codec")
+
+
+def test_a_tier_dir_needs_the_pool() -> None:
+    with pytest.raises(ValueError, match="kv-offload-dir.*set kv-offload-gib"):
+        VllmEngineArgs.model_validate({"model": "m", "kv-offload-dir": "/dev/shm/kv"})
 
 
 def test_engine_args_extra_may_not_shadow_typed_keys() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from enum import Enum
 from types import SimpleNamespace
 
 import pytest
@@ -125,6 +126,21 @@ def test_tracker_adds_pool_steps_to_the_load() -> None:
     assert (load.kv_pool_query_tokens, load.kv_pool_hit_tokens) == (96, 64)
     assert (load.kv_pool_loaded_bytes, load.kv_pool_load_seconds) == (40, 0.25)
     assert (load.kv_pool_stored_bytes, load.kv_pool_evictions, load.kv_pool_usage) == (101, 2, 0.5)
+    assert load.kv_tier_hit_tokens == 0
+
+
+class CacheHitSource(str, Enum):  # noqa: UP042 (as vLLM's: its hash is the member name's)
+    DEVICE = "device"
+    HOST = "host"
+    DISK = "disk"
+
+
+def test_tier_hits_count_as_pool_hits_and_on_their_own() -> None:
+    tracker = LoadTracker()
+    tracker.kv_connector_stats(None, SimpleNamespace(queries=128, hits_by_source={
+        CacheHitSource.HOST: 32, CacheHitSource.DISK: 64, CacheHitSource.DEVICE: 7}))
+    load = tracker.get()
+    assert (load.kv_pool_hit_tokens, load.kv_tier_hit_tokens) == (96, 64)
 
 
 @pytest.mark.vllm
