@@ -90,10 +90,10 @@ class FfnWorker(Component):
 
     @async_on_start
     async def start(self) -> None:
-        from dynagraph.llm.afd.channel import host_id
         from dynagraph.llm.afd.ffn import VllmFfn
         from dynagraph.llm.afd.server import FfnServer
         from dynagraph.observability.afd_metrics import register_ffn_stats
+        from dynagraph.runtime.addresses import host_id
 
         cfg, rt = self.config, self.runtime
         if cfg.cpus is not None:

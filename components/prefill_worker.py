@@ -40,6 +40,8 @@ from dynagraph.llm.disagg import (
 )
 from dynagraph.llm.engines.vllm_engine import VllmEngine, VllmEngineArgs
 from dynagraph.llm.kv.nixl_side import nixl_key, prepare_nixl
+from dynagraph.llm.kv.shm_transport import offer
+from dynagraph.llm.router.hashing import BlockHasher, seed_from_env
 from dynagraph.observability.disagg_metrics import PrefillQueueMetrics
 from dynagraph.runtime.live_settings import LiveSpec
 from dynagraph.runtime.queue import NatsPrefillQueue
@@ -91,6 +93,10 @@ class PrefillWorker(Component):
         self.faults = self.LIVE_SETTINGS.bind(PrefillFaults(), self.runtime.settings_prefix())
         self._tasks: list[asyncio.Task[None]] = []
         self.outcomes: dict[str, int] = {}
+        self.hasher = BlockHasher(config.block_size,
+                                  config.extra_engine_args.get("prefix_caching_hash_algo",
+                                                               "sha256"),
+                                  seed_from_env(os.environ))
 
     @async_on_start
     async def start(self) -> None:
@@ -120,6 +126,9 @@ class PrefillWorker(Component):
             reply_timeout=self.config.reply_timeout,
             hold_s=lambda: self.faults.current.hold_before_reply_s,
             observer=PrefillQueueMetrics(rt.registry),
+            tier=(offer(self.config.kv_offload_dir, self.config.kv_compression)
+                  if self.config.kv_transport != "nixl" else None),
+            digests=self._digests,
         )
         self._tasks = [
             asyncio.create_task(serve_queue(self.queue, handler,
@@ -146,6 +155,9 @@ class PrefillWorker(Component):
     async def status(self, request: PrefillStatus) -> AsyncIterator[dict[str, Any]]:
         yield {"nixl": self.nixl.record(), "outcomes": dict(self.outcomes),
                "hold_before_reply_s": self.faults.current.hold_before_reply_s}
+
+    def _digests(self, prompt: list[int], cache_salt: str | None) -> list[bytes]:
+        return self.hasher.digests(prompt, cache_salt=cache_salt)
 
     def _count(self, outcome: JobOutcome) -> None:
         self.outcomes[outcome.status] = self.outcomes.get(outcome.status, 0) + 1

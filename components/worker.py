@@ -48,6 +48,7 @@ from dynagraph.llm.disagg.policy import DisaggConfig
 from dynagraph.llm.engines.base import Engine, SamplingSpec
 from dynagraph.llm.engines.vllm_engine import VllmEngine, VllmEngineArgs, spread_bind
 from dynagraph.llm.kv.relay import KvEventFeed, KvEventRelay, load_snapshots
+from dynagraph.llm.kv.shm_transport import is_shm
 from dynagraph.llm.models import served_model_metadata
 from dynagraph.llm.protocol import LLMEngineOutput, PreprocessedRequest
 from dynagraph.llm.router.hashing import BlockHasher, seed_from_env
@@ -240,7 +241,8 @@ class VllmWorker(DecodeWorkerEndpoints):
         if self.disagg is not None and s.prompt_logprobs is None and s.n == 1:
             plan = await self.disagg.plan(request.request_id, request.token_ids,
                                           s.temperature, s.seed, salt)
-            kv_params = plan.kv_transfer_params
+            # the KV in the shared tier: the engine finds it there as for a local prefill
+            kv_params = None if is_shm(plan.kv_transfer_params) else plan.kv_transfer_params
         stream = self._stream(request, kv_params, salt)
         try:
             async for msg in stream:

@@ -143,3 +143,13 @@ class PublishGuard:
 def publish_guard(host: str) -> PublishGuard | None:
     """The guard for this host's address: None on loopback (a one-machine graph)."""
     return None if is_loopback(host) else PublishGuard(host)
+
+
+def host_id() -> str:
+    """This machine's boot id: equal on both sides of a same-host connection (processes
+    in network namespaces of one host share it, and its /dev/shm)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            return fh.read().strip()
+    except OSError:
+        return socket.gethostname()

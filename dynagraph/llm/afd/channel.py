@@ -66,15 +66,6 @@ class Endpoint:
     """The worker's boot id: ``shm`` needs the same host (``same_host``)."""
 
 
-def host_id() -> str:
-    """This machine's boot id: equal on both sides of a same-host connection."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as fh:
-            return fh.read().strip()
-    except OSError:
-        return socket.gethostname()
-
-
 def uds_address(name: str) -> str | bytes:
     """``@name`` is a Linux abstract socket (no file), anything else a path."""
     return b"\0" + name[1:].encode() if name.startswith("@") else name

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from dynagraph.llm.afd.channel import Endpoint, FfnChannel, host_id
+from dynagraph.llm.afd.channel import Endpoint, FfnChannel
 from dynagraph.llm.afd.errors import AfdError, AfdUnavailable, ChannelError
 from dynagraph.llm.afd.plan import Route, RouteTable
 from dynagraph.llm.afd.settings import (
@@ -43,6 +43,7 @@ from dynagraph.llm.afd.settings import (
     write_atomic,
     write_failure,
 )
+from dynagraph.runtime.addresses import host_id
 
 log = logging.getLogger(__name__)
 

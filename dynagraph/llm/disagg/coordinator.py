@@ -165,6 +165,8 @@ class RemotePrefillCoordinator:
     prefix: PrefixCacheEstimate
     prefill_workers: Callable[[], int] = lambda: 1
     metrics: PrefillMetrics | None = None
+    engine_params: dict[str, Any] = field(default_factory=dict)
+    """Put in every job (e.g. the decode worker's shared KV tier, ``shm_transport.offer``)."""
     clock: Callable[[], float] = time.time
     _pending: dict[str, asyncio.Future[PrefillResult]] = field(default_factory=dict, init=False)
 
@@ -207,6 +209,7 @@ class RemotePrefillCoordinator:
         job = RemotePrefillJob.create(
             request_id=request_id, prompt_token_ids=list(prompt), reply_to=self.reply_to,
             timeout=timeout, sampling=sampling, now=self.clock(),
+            engine_params=self.engine_params,
         )
         fut: asyncio.Future[PrefillResult] = asyncio.get_running_loop().create_future()
         self._pending[request_id] = fut

@@ -42,6 +42,7 @@ from dynagraph.llm.engines.base import EngineLoad
 from dynagraph.llm.engines.vllm_engine import VllmEngineArgs
 from dynagraph.llm.kv.nixl_peers import NixlPeerError, NixlPeers
 from dynagraph.llm.kv.nixl_side import NixlEndpoint, nixl_key, prepare_nixl
+from dynagraph.llm.kv.shm_transport import TIER_KEY, is_shm, offer
 from dynagraph.llm.router.hashing import BlockHasher
 from dynagraph.observability.disagg_metrics import DecodeMetrics, PrefillMetrics
 from dynagraph.runtime.queue import (
@@ -84,6 +85,8 @@ class DecodeDisagg:
         self.queue: PrefillQueue | None = None
         self.coordinator: RemotePrefillCoordinator | None = None
         self.peers: NixlPeers | None = None
+        self.tier: dict[str, str] | None = None
+        """The shared KV tier this worker offers prefill workers (``kv-transport``)."""
         self._tasks: list[asyncio.Task[None]] = []
 
     @classmethod
@@ -109,6 +112,8 @@ class DecodeDisagg:
         return cls(keys, runtime, prefill, {}, None)
 
     def engine_args(self, args: A) -> A:
+        if self.keys.kv_transport != "nixl":
+            self.tier = offer(args.kv_offload_dir, args.kv_compression)
         return args.model_copy(update={"kv_transfer_config": self.kv_transfer_config})
 
     async def start(self, engine: TransferringEngine, hasher: BlockHasher) -> None:
@@ -148,9 +153,12 @@ class DecodeDisagg:
                                  instance_id=rt.instance_id),
             prefix=PrefixCacheEstimate(hasher, engine.load().kv_blocks_total),
             prefill_workers=self._prefill_workers, metrics=PrefillMetrics(rt.registry),
+            engine_params={TIER_KEY: self.tier} if self.tier is not None else {},
         )
         where = (f"NIXL consumer {self.nixl.engine_id} at {self.nixl.host}:{self.nixl.port}"
                  if self.nixl is not None else "simulated KV transfers")
+        if self.tier is not None:
+            where += f", or the shared KV tier {self.tier['dir']} on this host"
         log.info("remote prefill on: %s; settings %s", where,
                  self.settings.current.model_dump(by_alias=True))
 
@@ -180,7 +188,8 @@ class DecodeDisagg:
         prefills locally after ``remote-prefill-timeout``), or etcd could not be read."""
         if self.coordinator is None:
             return False
-        if self.nixl is None:  # simulated transfers: no side channel to point at
+        if self.nixl is None or is_shm(result.kv_transfer_params):
+            # simulated transfers, or the KV is in the shared tier: no side channel
             return self.coordinator.deliver(result)
         if self.peers is None:
             return False

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, model_validator
 
 from dynagraph.config import ConfigModel
@@ -29,6 +31,20 @@ class DisaggWorkerKeys(ConfigModel):
     nixl_progress_delay_us: int = Field(default=DEFAULT_DELAY_US, ge=0,
                                         description=PROGRESS_DELAY_DOC)
     """See ``dynagraph.llm.kv.nixl_quiet``."""
+    kv_transport: Literal["auto", "nixl", "shm"] = "auto"
+    """How a remote prefill's KV reaches the decode worker (``dynagraph.llm.kv.
+    shm_transport``): ``shm`` through the ``kv-offload-dir`` tier that both workers share
+    on one host, ``nixl`` always over NIXL, ``auto`` (default) through the tier when the
+    two workers share one, else NIXL. ``shm`` needs ``kv-offload-dir`` (on a tmpfs); a
+    job a prefill worker cannot hand over through the tier goes over NIXL."""
+
+    @model_validator(mode="after")
+    def _shm_needs_a_tier(self) -> DisaggWorkerKeys:
+        if self.kv_transport == "shm" and not getattr(self, "kv_offload_dir", None):
+            raise ValueError("kv-transport shm moves the KV through the kv-offload-dir tier "
+                             "(with kv-offload-gib): set both, the tier on a tmpfs such as "
+                             "/dev/shm")
+        return self
 
 
 class DecodeDisaggKeys(DisaggWorkerKeys, DisaggConfig):

@@ -33,6 +33,7 @@ import msgspec
 from dynagraph.errors import EngineError, NoInstancesError, RequestPlaneError
 from dynagraph.llm.disagg.coordinator import PrefillAck, PrefillResult
 from dynagraph.llm.engines.base import EngineOutput, SamplingSpec
+from dynagraph.llm.kv.shm_transport import accepts, handed_over, wait_for_blocks
 from dynagraph.runtime.queue import PrefillQueue, PrefillQueueError, QueueItem, ReplyTarget
 
 log = logging.getLogger(__name__)
@@ -106,6 +107,14 @@ class PrefillJobHandler:
     """Seconds to wait between prefill and hand-off (fault-injection tests; 0 normally)."""
     clock: Callable[[], float] = time.time
     observer: PullObserver | None = None
+    tier: dict[str, str] | None = None
+    """This worker's shared KV tier (``shm_transport.offer``): a job whose decode worker
+    offers the same one is handed over through it instead of NIXL."""
+    digests: Callable[[list[int], str | None], list[bytes]] | None = None
+    """The engine's block hashes of a prompt (with a cache salt), to find them in the tier."""
+    tier_wait_s: float = 2.0
+    """Longest wait for a prompt's blocks to reach the tier (then the decode worker
+    computes what is missing)."""
 
     async def handle(self, item: QueueItem) -> JobOutcome:
         job = item.job
@@ -176,6 +185,10 @@ class PrefillJobHandler:
         s = job.sampling
         spec = SamplingSpec(max_tokens=1, temperature=s.temperature, top_p=s.top_p,
                             top_k=s.top_k, seed=s.seed, cache_salt=s.cache_salt)
+        if self.tier is not None and self.digests is not None and accepts(self.tier,
+                                                                          job.engine_params):
+            return await self._prefill_into_tier(f"{request_id}-prefill-{delivery}", prompt,
+                                                 spec, self.digests(prompt, s.cache_salt))
         params: dict[str, Any] | None = None
         async for out in self.engine.generate(f"{request_id}-prefill-{delivery}", prompt, spec,
                                               kv_transfer_params=dict(REMOTE_DECODE_PARAMS)):
@@ -185,6 +198,21 @@ class PrefillJobHandler:
             raise EngineError("the engine returned no KV transfer parameters; is it a KV "
                               "producer (kv_transfer_config with kv_role kv_producer)?")
         return params
+
+
+    async def _prefill_into_tier(self, rid: str, prompt: list[int], spec: SamplingSpec,
+                                 digests: list[bytes]) -> dict[str, Any]:
+        """Prefill as a local request; its blocks go through the engine's pool to the
+        shared tier, where the decode engine finds them (``shm_transport``)."""
+        assert self.tier is not None
+        async for _ in self.engine.generate(rid, prompt, spec):
+            pass
+        present, waited = await wait_for_blocks(self.tier["dir"], digests, self.tier_wait_s)
+        if not present:
+            log.warning("%d blocks of %s not in the shared KV tier %s after %.1fs; the decode "
+                        "worker computes what is missing", len(digests), rid,
+                        self.tier["dir"], waited)
+        return handed_over(len(digests), present, waited)
 
 
 @contextlib.asynccontextmanager

@@ -23,7 +23,6 @@ import sys
 import time
 import warnings
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -37,6 +36,7 @@ from dynagraph.llm.engines.vllm_stats import (
     make_stat_logger_factory,
     no_prometheus_logger,
 )
+from dynagraph.llm.kv.shm_transport import tier_dir
 from dynagraph.runtime import progress
 
 log = logging.getLogger(__name__)
@@ -186,12 +186,11 @@ def kv_transfer_config(args: VllmEngineArgs) -> dict[str, Any] | None:
         "spec_name": "HostPoolSpec", "spec_module_path": "dynagraph.llm.kv.host_pool",
         "cpu_bytes_to_use": int(args.kv_offload_gib * 2**30), "codec": args.kv_compression}
     if args.kv_offload_dir:  # vLLM's file-system tier, one directory per codec
-        codec_dir = args.kv_compression.replace(":", "-").replace("/", "-")
         extra.update(spec_name="TieredHostPoolSpec",
                      spec_module_path="dynagraph.llm.kv.host_tiers",
                      secondary_tiers=[{
                          "type": "fs",
-                         "root_dir": str(Path(args.kv_offload_dir).absolute() / codec_dir),
+                         "root_dir": tier_dir(args.kv_offload_dir, args.kv_compression),
                          "n_read_threads": TIER_IO_THREADS,
                          "n_write_threads": TIER_IO_THREADS}])
     pool = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from dynagraph.llm.afd.channel import host_id
 from dynagraph.llm.afd.connector import AfdConnector
 from dynagraph.llm.afd.errors import AfdUnavailable
 from dynagraph.llm.afd.server import FfnServer
@@ -21,6 +20,7 @@ from dynagraph.llm.afd.settings import (
     read_failure,
     write_engine_config,
 )
+from dynagraph.runtime.addresses import host_id
 
 from .fakes import DTYPE, HIDDEN, ScaleFfn, rows
 
