@@ -8,7 +8,15 @@ transfer from the decode worker's own metrics (``dynamo_worker_kv_transfer_secon
 client sees (streamed completion). Prompts are fresh (no prefix-cache hits); the first
 request of each size is a warm-up (NIXL handshake and connection wire-up).
 
-    python benchmarks/disagg_served.py --requests 8    # writes results/disagg_served.*
+``--transports nixl,shm`` serves the graph once per transport. ``shm``
+(``kv-transport: shm``, ``dynagraph.llm.kv.shm_transport``): decode and prefill worker
+share a KV tier on /dev/shm, and the decode worker's transfer is what it reads: tier ->
+pool (``dynamo_worker_kv_tier_read_*``) plus pool -> engine
+(``dynamo_worker_kv_pool_load_seconds_total``, ``..._loaded_bytes_total``); the prefill
+side's write-through happens before the hand-off and is in the TTFT only. Each size's
+memcpy of the same bytes (numpy, this process) is measured in the same run.
+
+    python benchmarks/disagg_served.py --requests 8 [--transports nixl,shm]
 """
 
 from __future__ import annotations
@@ -17,8 +25,10 @@ import argparse
 import json
 import os
 import re
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -35,15 +45,38 @@ SENTENCE = "Prefix caches pay off when prompts share a beginning. "
 SIZES = {"1k": 46, "4k": 180}  # sentences: ~1k and ~3.9k tokens of the tiny model
 SERIES = ("dynamo_worker_kv_transfer_seconds_sum", "dynamo_worker_kv_transfer_bytes_total",
           "dynamo_worker_kv_transfers_total")
+SHM_SERIES = ("dynamo_worker_kv_tier_read_seconds_total", "dynamo_worker_kv_pool_load_seconds_total",
+              "dynamo_worker_kv_pool_loaded_bytes_total", "dynamo_worker_kv_tier_hit_tokens_total")
 
 
 def scrape(address: str) -> dict[str, float]:
     """The KV-transfer series of one worker, summed over their label sets."""
     text = metrics_text(address)
-    return {name: total(text, name) for name in SERIES}
+    return {name: total(text, name) for name in (*SERIES, *SHM_SERIES)}
 
 
-def run(requests: int) -> list[dict[str, Any]]:
+def as_transfer(transport: str, moved: dict[str, float]) -> tuple[float, float, float]:
+    """(transfers, seconds, bytes) of one request's KV hand-off, read on the decode side."""
+    if transport == "shm":
+        seconds = moved[SHM_SERIES[0]] + moved[SHM_SERIES[1]]
+        return float(moved[SHM_SERIES[3]] > 0), seconds, moved[SHM_SERIES[2]]
+    return moved[SERIES[2]], moved[SERIES[0]], moved[SERIES[1]]
+
+
+def memcpy_gib_per_s(nbytes: int, repeats: int = 20) -> float:
+    import numpy as np
+
+    src = np.ones(max(nbytes, 1), dtype=np.uint8)
+    dst = np.empty_like(src)
+    times = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - began)
+    return nbytes / statistics.median(times) / 2**30
+
+
+def run(requests: int, transport: str = "nixl") -> list[dict[str, Any]]:
     model_dir = ensure_model(bench.REPO / "models" / "tiny-llama")
     port = free_port()
     rows: list[dict[str, Any]] = []
@@ -52,7 +85,11 @@ def run(requests: int) -> list[dict[str, Any]]:
                "NATS_SERVER": infra["nats"].url, "PYTHONUNBUFFERED": "1"}
         cmd = [sys.executable, "-m", "dynagraph.cli.main", "serve", "graphs.disagg:Frontend",
                "-f", "configs/disagg.yaml", f"--Frontend.port={port}", f"--Common.model={model_dir}"]
-        server = bench.ManagedProcess(cmd, env, name="disagg")
+        tier = tempfile.mkdtemp(prefix="disagg-served-kv-", dir="/dev/shm")
+        if transport == "shm":
+            cmd += [f"--{c}.{k}" for c in ("VllmWorker", "PrefillWorker") for k in (
+                "kv-offload-gib=0.2", f"kv-offload-dir={tier}", "kv-transport=shm")]
+        server = bench.ManagedProcess(cmd, env, name=f"disagg-{transport}")
         try:
             banner, _ = server.wait_line(lambda s: "VllmWorker[0] pid=" in s, 300)
             m = re.search(r"metrics=(\S+)", banner)
@@ -66,57 +103,72 @@ def run(requests: int) -> list[dict[str, Any]]:
                     first, tokens = bench.completion_ttft(url, prompt)
                     after = before
                     deadline = time.monotonic() + 5
-                    while after[SERIES[2]] == before[SERIES[2]] and time.monotonic() < deadline:
+                    count = SHM_SERIES[3] if transport == "shm" else SERIES[2]
+                    while after[count] == before[count] and time.monotonic() < deadline:
                         time.sleep(0.02)  # the engine reports a transfer after its step
                         after = scrape(m.group(1))
-                    moved = {k: after[k] - before[k] for k in SERIES}
-                    seconds, nbytes = moved[SERIES[0]], moved[SERIES[1]]
-                    rows.append({"prompt": label, "tokens": tokens, "warmup": i == 0,
-                                 "transfers": moved[SERIES[2]], "kv_bytes": nbytes,
+                    moved = {k: after[k] - before[k] for k in after}
+                    transfers, seconds, nbytes = as_transfer(transport, moved)
+                    rows.append({"transport": transport, "prompt": label, "tokens": tokens,
+                                 "warmup": i == 0, "transfers": transfers, "kv_bytes": nbytes,
                                  "kv_transfer_ms": seconds * 1e3, "ttft_ms": first * 1e3,
                                  "gib_per_s": nbytes / seconds / 2**30 if seconds > 0 else 0.0})
         finally:
             server.stop()
+            shutil.rmtree(tier, ignore_errors=True)
     return rows
 
 
-def summarize(rows: list[dict[str, Any]], raw: dict[str, float]) -> list[dict[str, Any]]:
+def summarize(rows: list[dict[str, Any]], raw: dict[str, float],
+              transport: str = "nixl") -> list[dict[str, Any]]:
     out = []
     for label in SIZES:
-        rs = [r for r in rows if r["prompt"] == label and not r["warmup"] and r["transfers"] > 0]
+        rs = [r for r in rows if r["prompt"] == label and not r["warmup"] and r["transfers"] > 0
+              and r.get("transport", "nixl") == transport]
         if not rs:
-            out.append({"prompt": label, "requests": 0})
+            out.append({"transport": transport, "prompt": label, "requests": 0})
             continue
         med = {k: statistics.median(r[k] for r in rs)
                for k in ("tokens", "kv_bytes", "kv_transfer_ms", "gib_per_s", "ttft_ms")}
-        out.append({"prompt": label, "requests": len(rs), **{k: round(v, 3) for k, v in med.items()},
+        memcpy = memcpy_gib_per_s(int(med["kv_bytes"]))
+        out.append({"transport": transport, "prompt": label, "requests": len(rs),
+                    **{k: round(v, 3) for k, v in med.items()},
                     "kv_transfer_ms_min": round(min(r["kv_transfer_ms"] for r in rs), 3),
                     "raw_nixl_gib_per_s": raw.get(label),
-                    "ratio_to_raw": round(med["gib_per_s"] / raw[label], 3) if raw.get(label) else None})
+                    "ratio_to_raw": round(med["gib_per_s"] / raw[label], 3) if raw.get(label) else None,
+                    "memcpy_gib_per_s": round(memcpy, 2),
+                    "ratio_to_memcpy": round(med["gib_per_s"] / memcpy, 3)})
     return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--transports", default="nixl", help="comma-separated: nixl, shm")
+    ap.add_argument("--name", default="disagg_served")
     args = ap.parse_args()
-    rows = run(args.requests)
+    transports = args.transports.split(",")
+    rows = [r for t in transports for r in run(args.requests, t)]
     raw_path = bench.REPO / "benchmarks" / "results" / "nixl_raw.json"
     raw = ({r["prompt"]: r["gib_per_s"] for r in json.loads(raw_path.read_text())["rows"]
             if r["layout"] == "kv-blocks"} if raw_path.exists() else {})
-    summary = summarize(rows, raw)
-    cols = ["prompt", "requests", "tokens", "kv_bytes", "kv_transfer_ms", "kv_transfer_ms_min",
-            "gib_per_s", "raw_nixl_gib_per_s", "ratio_to_raw", "ttft_ms"]
+    summary = [s for t in transports for s in summarize(rows, raw, t)]
+    cols = ["transport", "prompt", "requests", "tokens", "kv_bytes", "kv_transfer_ms",
+            "kv_transfer_ms_min", "gib_per_s", "raw_nixl_gib_per_s", "ratio_to_raw",
+            "memcpy_gib_per_s", "ratio_to_memcpy", "ttft_ms"]
     table = bench.markdown_table(cols, summary)
     text = ("# KV transfers as served (graphs.disagg), medians\n\n"
-            f"`python benchmarks/disagg_served.py --requests {args.requests}`: `dynamo serve "
+            f"`python benchmarks/disagg_served.py --requests {args.requests} --transports "
+            f"{args.transports}`: `dynamo serve "
             "graphs.disagg` with configs/disagg.yaml on the tiny model; transfer time and bytes "
             "from the decode worker's `dynamo_worker_kv_transfer_*` metrics per request; TTFT "
             "as the HTTP client sees it (streamed, 4 tokens). Raw NIXL: "
-            "`benchmarks/nixl_raw.py`, kv-blocks layout. Provisional: shared 2-core VM.\n\n"
+            "`benchmarks/nixl_raw.py`, kv-blocks layout. shm: the decode worker's tier read "
+            "plus pool load (see the script's doc); memcpy: numpy, same bytes, same run. "
+            "Provisional: shared 2-core VM.\n\n"
             + "\n".join(table) + "\n")
     data = {"summary": summary, "rows": rows, "machine": bench.machine_info()}
-    bench.write_results("disagg_served", data, text)
+    bench.write_results(args.name, data, text)
     print(text)
     return 0
 

@@ -30,6 +30,8 @@ _COUNTERS: tuple[tuple[str, Callable[[EngineLoad], float]], ...] = (
     ("dynamo_worker_kv_pool_query_tokens_total", lambda load: load.kv_pool_query_tokens),
     ("dynamo_worker_kv_pool_hit_tokens_total", lambda load: load.kv_pool_hit_tokens),
     ("dynamo_worker_kv_tier_hit_tokens_total", lambda load: load.kv_tier_hit_tokens),
+    ("dynamo_worker_kv_tier_read_bytes_total", lambda load: load.kv_tier_read_bytes),
+    ("dynamo_worker_kv_tier_read_seconds_total", lambda load: load.kv_tier_read_seconds),
     ("dynamo_worker_kv_pool_loaded_bytes_total", lambda load: load.kv_pool_loaded_bytes),
     ("dynamo_worker_kv_pool_load_seconds_total", lambda load: load.kv_pool_load_seconds),
     ("dynamo_worker_kv_pool_stored_bytes_total", lambda load: load.kv_pool_stored_bytes),

@@ -31,12 +31,14 @@ class DisaggWorkerKeys(ConfigModel):
     nixl_progress_delay_us: int = Field(default=DEFAULT_DELAY_US, ge=0,
                                         description=PROGRESS_DELAY_DOC)
     """See ``dynagraph.llm.kv.nixl_quiet``."""
-    kv_transport: Literal["auto", "nixl", "shm"] = "auto"
+    kv_transport: Literal["auto", "nixl", "shm"] = "nixl"
     """How a remote prefill's KV reaches the decode worker (``dynagraph.llm.kv.
-    shm_transport``): ``shm`` through the ``kv-offload-dir`` tier that both workers share
-    on one host, ``nixl`` always over NIXL, ``auto`` (default) through the tier when the
-    two workers share one, else NIXL. ``shm`` needs ``kv-offload-dir`` (on a tmpfs); a
-    job a prefill worker cannot hand over through the tier goes over NIXL."""
+    shm_transport``): ``nixl`` (default) always over NIXL, ``shm`` through the
+    ``kv-offload-dir`` tier that both workers share on one host, ``auto`` through the tier
+    when the two workers share one, else NIXL. ``shm`` needs ``kv-offload-dir`` (on a
+    tmpfs); a job a prefill worker cannot hand over through the tier goes over NIXL. NIXL
+    is the default because it measured faster here (``benchmarks/results/
+    disagg_served_shm.md``: the tier moves a block per file)."""
 
     @model_validator(mode="after")
     def _shm_needs_a_tier(self) -> DisaggWorkerKeys:

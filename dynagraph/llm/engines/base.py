@@ -140,6 +140,9 @@ class EngineLoad(BaseModel):
     under it (``kv-offload-dir``) since start."""
     kv_tier_hit_tokens: int = 0
     """Of those, tokens found in the tier under the pool (``kv-offload-dir``)."""
+    kv_tier_read_bytes: int = 0
+    """Bytes read from that tier into the pool (before the pool's load into the engine)."""
+    kv_tier_read_seconds: float = 0.0
     kv_pool_loaded_bytes: int = 0
     kv_pool_load_seconds: float = 0.0
     kv_pool_stored_bytes: int = 0

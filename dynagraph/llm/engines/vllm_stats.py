@@ -141,6 +141,10 @@ class LoadTracker:
                 "kv_pool_load_seconds": load.kv_pool_load_seconds + got.get(_LOAD_TIME, 0.0),
                 "kv_pool_stored_bytes": load.kv_pool_stored_bytes + int(got.get(_STORE_BYTES, 0)),
                 "kv_pool_evictions": load.kv_pool_evictions + int(got.get(_EVICTIONS, 0)),
+                "kv_tier_read_bytes": (load.kv_tier_read_bytes
+                                       + int(got.get(_TIER_READ_BYTES, 0))),
+                "kv_tier_read_seconds": (load.kv_tier_read_seconds
+                                         + got.get(_TIER_READ_TIME, 0.0)),
             }
             if _USAGE in got:
                 update["kv_pool_usage"] = got[_USAGE]
@@ -174,7 +178,10 @@ _LOAD_TIME = "vllm:kv_offload_load_time"
 _STORE_BYTES = "vllm:kv_offload_store_bytes"
 _USAGE = "vllm:kv_offload_cpu_cache_usage_perc"
 _EVICTIONS = "vllm:kv_offload_pool_evictions"  # dynagraph.llm.kv.host_pool.EVICTIONS
-_POOL_KEYS = (_LOAD_BYTES, _LOAD_TIME, _STORE_BYTES, _USAGE, _EVICTIONS)
+_TIER_READ_BYTES = "vllm:kv_offload_tiering_read_bytes"  # tier -> pool (kv-offload-dir)
+_TIER_READ_TIME = "vllm:kv_offload_tiering_read_time"
+_POOL_KEYS = (_LOAD_BYTES, _LOAD_TIME, _STORE_BYTES, _USAGE, _EVICTIONS, _TIER_READ_BYTES,
+              _TIER_READ_TIME)
 
 
 def pool_counters(payload: Mapping[str, Any]) -> dict[str, float]:

@@ -137,10 +137,13 @@ class CacheHitSource(str, Enum):  # noqa: UP042 (as vLLM's: its hash is the memb
 
 def test_tier_hits_count_as_pool_hits_and_on_their_own() -> None:
     tracker = LoadTracker()
-    tracker.kv_connector_stats(None, SimpleNamespace(queries=128, hits_by_source={
+    tracker.kv_connector_stats(_offload(**{"vllm:kv_offload_tiering_read_bytes": 4096,
+                                           "vllm:kv_offload_tiering_read_time": 0.5}),
+                               SimpleNamespace(queries=128, hits_by_source={
         CacheHitSource.HOST: 32, CacheHitSource.DISK: 64, CacheHitSource.DEVICE: 7}))
     load = tracker.get()
     assert (load.kv_pool_hit_tokens, load.kv_tier_hit_tokens) == (96, 64)
+    assert (load.kv_tier_read_bytes, load.kv_tier_read_seconds) == (4096, 0.5)
 
 
 @pytest.mark.vllm
