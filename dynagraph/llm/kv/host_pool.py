@@ -37,6 +37,7 @@ from vllm.v1.kv_offload.base import (
     OffloadingCounterMetadata,
     OffloadingManager,
     OffloadingMetricMetadata,
+    OffloadingSpec,
     OffloadingWorker,
     OffloadKey,
     PrepareStoreOutput,
@@ -205,16 +206,20 @@ def pool_codec(name: str, model_dtype: Any) -> tuple[KvCodec, torch.dtype]:
     return codec, dtype if isinstance(dtype, torch.dtype) else torch.bfloat16
 
 
+def pool_settings(spec: OffloadingSpec, model_dtype: Any) -> tuple[KvCodec, torch.dtype]:
+    """A pool spec's codec and KV element type, once its chunking is checked."""
+    if spec.blocks_per_chunk != 1:
+        raise ValueError("the host KV pool stores one engine block per chunk; "
+                         "leave block_size / blocks_per_chunk out of its extra config")
+    return pool_codec(str(spec.extra_config.get("codec", "none")), model_dtype)
+
+
 class HostPoolSpec(CPUOffloadingSpec):
     """vLLM's CPU offloading scheduler side with :class:`HostPoolWorker` copies."""
 
     def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(config)
-        if self.blocks_per_chunk != 1:
-            raise ValueError("the host KV pool stores one engine block per chunk; "
-                             "leave block_size / blocks_per_chunk out of its extra config")
-        self.codec, self.dtype = pool_codec(str(self.extra_config.get("codec", "none")),
-                                            config.model.dtype)
+        self.codec, self.dtype = pool_settings(self, config.model.dtype)
         if self.codec.name != "none":
             per_block = config.worker_kv_bytes_per_block * max(config.parallel.world_size, 1)
             if per_block > 0:  # the same memory holds more encoded blocks

@@ -42,7 +42,7 @@ from dynagraph.llm.kv.host_pool import (
     EVICTION_METRIC,
     EvictionCounting,
     HostPoolWorker,
-    pool_codec,
+    pool_settings,
 )
 
 
@@ -84,13 +84,9 @@ class TieredHostPoolSpec(TieringOffloadingSpec):
 
     def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(config)
-        if self.blocks_per_chunk != 1:
-            raise ValueError("the host KV pool stores one engine block per chunk; "
-                             "leave block_size / blocks_per_chunk out of its extra config")
         if not self.secondary_tier_configs:
             raise ValueError("TieredHostPoolSpec needs secondary_tiers in its extra config")
-        self.codec, self.dtype = pool_codec(str(self.extra_config.get("codec", "none")),
-                                            config.model.dtype)
+        self.codec, self.dtype = pool_settings(self, config.model.dtype)
 
     @classmethod
     def build_metric_definitions(

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 from dynagraph.errors import EngineError, NoInstancesError, StreamBroken
 from dynagraph.llm.disagg.coordinator import (
     PrefillAck,
+    PrefillPlan,
     PrefillResult,
     PrefixCacheEstimate,
     RemotePrefillCoordinator,
@@ -73,6 +74,17 @@ def wire(coord: RemotePrefillCoordinator, calls: list[PrefillResult]) -> Any:
     return reply
 
 
+async def plan_served(q: MemoryPrefillQueue, handler: PrefillJobHandler,
+                      c: RemotePrefillCoordinator, prompt: list[int]) -> PrefillPlan:
+    """``c.plan`` of ``prompt`` while ``handler`` serves the queue."""
+    server = asyncio.create_task(serve_queue(q, handler, pull_timeout=0.05))
+    try:
+        return await c.plan("r1", prompt)
+    finally:
+        server.cancel()
+        await asyncio.gather(server, return_exceptions=True)
+
+
 # --- PrefixCacheEstimate -------------------------------------------------------------------
 
 def test_prefix_estimate_full_blocks_and_lru() -> None:
@@ -120,12 +132,7 @@ async def test_remote_round_trip_through_the_queue() -> None:
     sent: list[PrefillResult] = []
     pulls: list[tuple[float, int]] = []
     handler = PrefillJobHandler(engine, wire(c, sent), instance_id=3, observer=PullLog(pulls))
-    server = asyncio.create_task(serve_queue(q, handler, pull_timeout=0.05))
-    try:
-        plan = await c.plan("r1", list(range(200)))
-    finally:
-        server.cancel()
-        await asyncio.gather(server, return_exceptions=True)
+    plan = await plan_served(q, handler, c, list(range(200)))
     assert plan.remote and plan.kv_transfer_params == {"remote_block_ids": [[1]], "n": 200}
     assert plan.result is not None and plan.result.prefill_instance == 3
     assert engine.calls[0][2] == {"do_remote_decode": True}

@@ -11,7 +11,7 @@ import pytest
 
 from dynagraph.llm.disagg.coordinator import PrefillResult
 from dynagraph.llm.disagg.keys import DecodeDisaggKeys
-from dynagraph.llm.disagg.prefill import PrefillJobHandler, serve_queue
+from dynagraph.llm.disagg.prefill import PrefillJobHandler
 from dynagraph.llm.kv.shm_transport import (
     TIER_KEY,
     accepts,
@@ -25,7 +25,7 @@ from dynagraph.llm.kv.shm_transport import (
 from dynagraph.llm.router.hashing import BlockHasher
 from dynagraph.runtime.addresses import host_id
 from dynagraph.runtime.queue import MemoryPrefillQueue
-from tests.unit.llm.test_remote_prefill import FakeEngine, coordinator, wire
+from tests.unit.llm.test_remote_prefill import FakeEngine, coordinator, plan_served, wire
 
 HASHER = BlockHasher(16)
 
@@ -101,12 +101,7 @@ async def test_a_prefill_worker_hands_over_through_the_tier_only_when_both_share
     sent: list[PrefillResult] = []
     handler = PrefillJobHandler(engine, wire(c, sent), tier=prefill_tier,
                                 digests=lambda p, salt: HASHER.digests(p, cache_salt=salt))
-    server = asyncio.create_task(serve_queue(q, handler, pull_timeout=0.05))
-    try:
-        plan = await c.plan("r1", list(range(200)))
-    finally:
-        server.cancel()
-        await asyncio.gather(server, return_exceptions=True)
+    plan = await plan_served(q, handler, c, list(range(200)))
     assert plan.remote
     assert is_shm(plan.kv_transfer_params) is shm
     if shm:
