@@ -102,6 +102,12 @@ DEFAULT_POOL_BLOCK_SECONDS = 0.0001
 """Loading one 32-token block of the tiny model from the host pool (0.1 ms, measured by
 ``benchmarks/kv_offload.py``); a larger model's block costs more, but so does computing it."""
 
+DEFAULT_TIER_BLOCK_SECONDS = 0.0002
+"""Loading one such block from the tier under the pools (``kv-offload-dir``): a file read
+into the pool, then the pool's load (0.05-0.11 ms per block measured by
+``benchmarks/disagg_served.py --transports shm``, rounded up: dearer than the pool)."""
+
+
 class RouterConfig(ConfigModel):
     mode: RouterMode = RouterMode.KV
     cost_model: CostModel = CostModel.TIME
@@ -122,6 +128,10 @@ class RouterConfig(ConfigModel):
     """Seconds to load one block from a worker's host KV pool (``kv-offload-gib``), the
     price of a pooled block in the ``time`` cost (cheaper than computing it, dearer than
     one already on the engine); null: pooled blocks count as uncached."""
+    tier_block_seconds: float | None = Field(default=DEFAULT_TIER_BLOCK_SECONDS, ge=0.0)
+    """The same for a block in the tier under the pools that the workers of a host share
+    (``kv-offload-dir``): any worker naming that tier can load what another wrote there.
+    null: such blocks count as uncached."""
     class_overlap_weights: dict[str, float] = Field(
         default_factory=lambda: dict(DEFAULT_CLASS_OVERLAP_WEIGHTS))
     """SLO class -> factor on ``overlap-weight`` for its requests (unlisted: 1)."""
@@ -194,6 +204,8 @@ class Router(Component):
                 continue
             self._check_hashing(w, info.metadata)
             self.state.add_worker(w)
+            tier = info.metadata.get("kv_tier")
+            self.state.set_tier(w, tier if isinstance(tier, str) else None)
             self._tasks[w] = [
                 asyncio.create_task(self._follow(w, "kv_events", self._on_kv), name=f"kv-{w:x}"),
                 asyncio.create_task(self._follow(w, "load_metrics", self._on_load),
@@ -317,7 +329,8 @@ class Router(Component):
             cost_model=live.cost_model, prompt_tokens=len(token_ids),
             block_size=self.hasher.block_size if self.hasher is not None else 1,
             now=time.monotonic() if now is None else now, allowed=allowed,
-            pool_block_seconds=self.config.pool_block_seconds)
+            pool_block_seconds=self.config.pool_block_seconds,
+            tier_block_seconds=self.config.tier_block_seconds)
         return decision, hashes, mode
 
     @endpoint()

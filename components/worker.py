@@ -48,7 +48,7 @@ from dynagraph.llm.disagg.policy import DisaggConfig
 from dynagraph.llm.engines.base import Engine, SamplingSpec
 from dynagraph.llm.engines.vllm_engine import VllmEngine, VllmEngineArgs, spread_bind
 from dynagraph.llm.kv.relay import KvEventFeed, KvEventRelay, load_snapshots
-from dynagraph.llm.kv.shm_transport import is_shm
+from dynagraph.llm.kv.shm_transport import is_shm, offer
 from dynagraph.llm.models import served_model_metadata
 from dynagraph.llm.protocol import LLMEngineOutput, PreprocessedRequest
 from dynagraph.llm.router.hashing import BlockHasher, seed_from_env
@@ -209,6 +209,9 @@ class VllmWorker(DecodeWorkerEndpoints):
              "kv_events": self.relay is not None, "kv_hash_algo": self.hasher.algo,
              "kv_hash_seed": self.hasher.seed}
         )
+        tier = offer(self.config.kv_offload_dir, self.config.kv_compression)
+        if tier is not None:  # the Router credits this worker with the tier's blocks
+            self.runtime.metadata["kv_tier"] = f"{tier['host']}:{tier['dir']}"
         log.info("engine ready in %.1fs (max_model_len %d)", self.engine.start_seconds,
                  self.engine.max_model_len)
 

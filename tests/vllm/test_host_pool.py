@@ -122,12 +122,15 @@ async def test_a_second_worker_loads_a_prefix_the_first_left_in_the_shared_tier(
     """``kv-offload-dir``: worker A's pool writes its blocks through to the directory;
     worker B (its own engine and pool, same directory) finds them there, loads them
     instead of computing them, and generates the same greedy tokens."""
-    def tiered() -> VllmEngine:
+    def tiered(events: str | None = None) -> VllmEngine:
         return VllmEngine(VllmEngineArgs(
             model=str(model_dir), block_size=TEST_BLOCK_SIZE, max_model_len=1024,
-            max_num_seqs=2, kv_offload_gib=0.05, kv_offload_dir=str(tmp_path)))
+            max_num_seqs=2, kv_offload_gib=0.05, kv_offload_dir=str(tmp_path),
+            kv_events_endpoint=events, kv_events_topic="tier-test"))
 
-    a, b = tiered(), tiered()
+    relay = KvEventRelay(hasher=HASHER)
+    a, b = tiered(relay.bind()), tiered()
+    await relay.start()
     try:
         with in_process_model():
             await a.start()
@@ -136,6 +139,8 @@ async def test_a_second_worker_loads_a_prefix_the_first_left_in_the_shared_tier(
         from_a = await greedy(a, "tier-a", tokens)
         assert a.load().kv_tier_hit_tokens == 0
         await until(lambda: len(list(tmp_path.rglob("*.bin"))) >= PROMPT_BLOCKS)
+        # A's relay publishes what A wrote to the tier, for the Router (medium STORAGE)
+        await until(lambda: all(h in relay.tiered for h in HASHER.block_hashes(tokens)))
         from_b = await greedy(b, "tier-b", tokens)
         assert from_b == from_a
         await until(lambda: b.load().kv_tier_hit_tokens > 0)
@@ -146,4 +151,5 @@ async def test_a_second_worker_loads_a_prefix_the_first_left_in_the_shared_tier(
     finally:
         await a.shutdown()
         await b.shutdown()
+        await relay.close()
     assert not pool_regions()  # the pools' shared regions went with them

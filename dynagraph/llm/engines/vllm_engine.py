@@ -192,7 +192,9 @@ def kv_transfer_config(args: VllmEngineArgs) -> dict[str, Any] | None:
                          "type": "fs",
                          "root_dir": tier_dir(args.kv_offload_dir, args.kv_compression),
                          "n_read_threads": TIER_IO_THREADS,
-                         "n_write_threads": TIER_IO_THREADS}])
+                         "n_write_threads": TIER_IO_THREADS,
+                         # the blocks it writes, as KV events (medium STORAGE) for the Router
+                         "enable_kv_events": True}])
     pool = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
             "kv_connector_extra_config": extra}
     if not args.kv_transfer_config:

@@ -49,6 +49,7 @@ from dynagraph.llm.engines.base import EngineLoad
 from dynagraph.llm.router.events import (
     DEFAULT_MEDIA,
     POOL_MEDIA,
+    TIER_MEDIA,
     AllCleared,
     BlocksStored,
     BlocksStoredWithTokens,
@@ -208,6 +209,8 @@ class KvEventFeed:
         self.blocks = BlockSet()
         self.pooled = BlockSet(POOL_MEDIA)
         """Blocks in the host KV pool (``kv-offload-gib``), published as their own tier."""
+        self.tiered = BlockSet(TIER_MEDIA)
+        """Blocks this engine wrote to the tier under its pool (``kv-offload-dir``)."""
         self.stats = RelayStats()
         self.seq = 0
         self._subscribers: set[RelaySubscription] = set()
@@ -224,19 +227,22 @@ class KvEventFeed:
 
     def _snapshot(self) -> RelayBatch:
         return RelayBatch(seq=self.seq, snapshot=True, stored=self.blocks.hashes(),
-                          pooled_stored=self.pooled.hashes())
+                          pooled_stored=self.pooled.hashes(),
+                          tiered_stored=self.tiered.hashes())
 
     def publish(self, events: Iterable[KvEvent]) -> RelayBatch | None:
         """Apply one batch of events; returns what was sent (None: no net change)."""
         events = list(events)
         delta = self.blocks.apply(events)
         pooled = self.pooled.apply(events)
-        if not delta and not pooled:
+        tiered = self.tiered.apply(events)
+        if not delta and not pooled and not tiered:
             return None
         self.seq += 1
         out = RelayBatch(seq=self.seq, cleared=delta.cleared, stored=delta.stored,
                          removed=delta.removed, pooled_stored=pooled.stored,
-                         pooled_removed=pooled.removed)
+                         pooled_removed=pooled.removed, tiered_stored=tiered.stored,
+                         tiered_removed=tiered.removed)
         for sub in list(self._subscribers):
             if not sub._put(out):
                 self.stats.resyncs += 1

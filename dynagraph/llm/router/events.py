@@ -27,6 +27,8 @@ DEFAULT_MEDIA: frozenset[str | None] = frozenset({"GPU", None})
 """The engine's own cache (vLLM names it GPU whatever the device)."""
 POOL_MEDIA: frozenset[str | None] = frozenset({"CPU"})
 """The host KV pool (vLLM's offloading connector publishes its blocks as CPU)."""
+TIER_MEDIA: frozenset[str | None] = frozenset({"STORAGE"})
+"""The tier under the pool (``kv-offload-dir``: vLLM's file tier publishes STORAGE)."""
 
 
 class KvEventDecodeError(DynagraphError):
@@ -248,7 +250,8 @@ class RelayBatch(msgspec.Struct, frozen=True):
     worker; then remove ``removed``; then add ``stored``. ``seq`` increases by one
     per live batch; a snapshot carries the seq of the last batch it includes.
     ``pooled_*``: the same for the worker's host KV pool (a snapshot or ``cleared``
-    forgets its pooled blocks too).
+    forgets its pooled blocks too); ``tiered_*`` for the blocks it wrote to the tier
+    under its pool (``kv-offload-dir``), which the workers sharing that tier can load.
     """
 
     seq: int
@@ -258,6 +261,8 @@ class RelayBatch(msgspec.Struct, frozen=True):
     removed: list[int] = []
     pooled_stored: list[int] = []
     pooled_removed: list[int] = []
+    tiered_stored: list[int] = []
+    tiered_removed: list[int] = []
 
     def to_wire(self) -> dict[str, Any]:
         return msgspec.to_builtins(self)  # type: ignore[no-any-return]
@@ -267,13 +272,16 @@ class RelayBatch(msgspec.Struct, frozen=True):
         return msgspec.convert(data, cls)
 
     def apply_to(self, index: PrefixIndex, worker_id: int,
-                 pooled: PrefixIndex | None = None) -> None:
-        """Mirror this batch into ``index`` (and the pool's blocks into ``pooled``)
-        under ``worker_id``."""
-        _mirror(index, worker_id, self.snapshot or self.cleared, self.removed, self.stored)
+                 pooled: PrefixIndex | None = None,
+                 tiered: PrefixIndex | None = None) -> None:
+        """Mirror this batch into ``index`` (the pool's blocks into ``pooled``, the
+        tier's into ``tiered``) under ``worker_id``."""
+        reset = self.snapshot or self.cleared
+        _mirror(index, worker_id, reset, self.removed, self.stored)
         if pooled is not None:
-            _mirror(pooled, worker_id, self.snapshot or self.cleared, self.pooled_removed,
-                    self.pooled_stored)
+            _mirror(pooled, worker_id, reset, self.pooled_removed, self.pooled_stored)
+        if tiered is not None:
+            _mirror(tiered, worker_id, reset, self.tiered_removed, self.tiered_stored)
 
 
 def _mirror(index: PrefixIndex, worker_id: int, reset: bool, removed: list[int],

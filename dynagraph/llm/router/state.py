@@ -28,6 +28,8 @@ from dynagraph.llm.tenants.slo_admission import Gate, Pressure, Verdict
 from dynagraph.runtime.round_robin import RoundRobin
 
 POOL_TIER = "pool"
+SHARED_TIER = "shared"
+"""The tier under the pools that workers of a host share (``kv-offload-dir``)."""
 NO_LOAD = EngineLoad()
 """The load of a worker that has not reported (shared: read only)."""
 _UNKNOWN = WorkerLoad()
@@ -88,6 +90,11 @@ class RouterState:
         self.pooled = PrefixIndex()
         """Blocks in each worker's host KV pool: loadable, not computed, not on-engine."""
         self._pooling = False  # any worker ever reported a pooled block
+        self.tiered = PrefixIndex()
+        """Blocks each worker wrote to its shared tier; every worker of that tier
+        (``tier_of``) can load them."""
+        self.tier_of: dict[int, str] = {}
+        """Worker -> the shared tier it names (published as ``kv_tier``)."""
         self.rng = rng or random.Random()
         self.rr = RoundRobin()
         self.priors = priors or RatePriors()
@@ -110,11 +117,20 @@ class RouterState:
         self.learners.setdefault(w, RateLearner(self.priors))
         self._rates = None
 
+    def set_tier(self, w: int, tier: str | None) -> None:
+        """``w`` loads blocks from the shared tier ``tier`` (None: it has none)."""
+        if tier:
+            self.tier_of[w] = tier
+        else:
+            self.tier_of.pop(w, None)
+
     def remove_worker(self, w: int) -> None:
         self.live.discard(w)
         self.healthy.discard(w)
         self.index.remove_worker(w)
         self.pooled.remove_worker(w)
+        self.tiered.remove_worker(w)
+        self.tier_of.pop(w, None)
         self.reported.pop(w, None)
         self.inflight.pop(w, None)
         self.queues.pop(w, None)
@@ -156,8 +172,8 @@ class RouterState:
 
     def apply(self, w: int, batch: RelayBatch) -> None:
         if w in self.live:
-            batch.apply_to(self.index, w, self.pooled)
-            self._pooling = self._pooling or bool(batch.pooled_stored)
+            batch.apply_to(self.index, w, self.pooled, self.tiered)
+            self._pooling = self._pooling or bool(batch.pooled_stored or batch.tiered_stored)
 
     def pooled_beyond(self, hashes: list[int], overlaps: dict[int, int]) -> dict[int, int]:
         """Per worker: the blocks of this prompt it can load from its host KV pool past
@@ -166,6 +182,26 @@ class RouterState:
             return {}
         found = self.pooled.find_matches(hashes)
         return {w: n - overlaps.get(w, 0) for w, n in found.items() if n > overlaps.get(w, 0)}
+
+    def offloaded(self, hashes: list[int], overlaps: dict[int, int]
+                  ) -> dict[int, dict[str, int]]:
+        """Per worker: the blocks of this prompt past its on-engine prefix that it can
+        load from its pool (``pool``), and past that from its shared tier (``shared``:
+        the longest run any worker of that tier wrote there)."""
+        pooled = self.pooled_beyond(hashes, overlaps)
+        out: dict[int, dict[str, int]] = {w: {POOL_TIER: n} for w, n in pooled.items()}
+        if not self._pooling or not self.tier_of:
+            return out
+        runs: dict[str, int] = {}
+        for writer, n in self.tiered.find_matches(hashes).items():
+            tier = self.tier_of.get(writer)
+            if tier is not None and n > runs.get(tier, 0):
+                runs[tier] = n
+        for w, tier in self.tier_of.items():
+            past = runs.get(tier, 0) - overlaps.get(w, 0) - pooled.get(w, 0)
+            if past > 0 and w in self.live:
+                out.setdefault(w, {})[SHARED_TIER] = past
+        return out
 
     def begin(self, w: int, hashes: list[int], *, key: int | None = None,
               uncached_tokens: float = 0.0, now: float = 0.0) -> None:
@@ -272,17 +308,20 @@ class RouterState:
                temperature: float = 0.0, cost_model: CostModel = CostModel.TIME,
                prompt_tokens: int | None = None, block_size: int = 1,
                now: float | None = None, allowed: Collection[int] | None = None,
-               pool_block_seconds: float | None = None) -> Decision:
+               pool_block_seconds: float | None = None,
+               tier_block_seconds: float | None = None) -> Decision:
         """``pool_block_seconds``: the time to load one block from a worker's host KV
-        pool (None: pooled blocks are not priced, as if they had to be computed)."""
+        pool (None: pooled blocks are not priced, as if they had to be computed);
+        ``tier_block_seconds`` the same for its shared tier."""
         costed = mode in (RouterMode.KV, RouterMode.KV_LOAD)
         rates = self.all_rates(now) if costed else None
         overlaps, loads = self.inputs(hashes, now, rates, allowed=allowed, costed=costed)
         tiers: dict[int, dict[str, int]] | None = None
         prices: dict[str, float] | None = None
-        if pool_block_seconds is not None:
-            tiers = {w: {POOL_TIER: n} for w, n in self.pooled_beyond(hashes, overlaps).items()}
-            prices = {POOL_TIER: pool_block_seconds}
+        if pool_block_seconds is not None or tier_block_seconds is not None:
+            tiers = self.offloaded(hashes, overlaps)
+            prices = {t: s for t, s in ((POOL_TIER, pool_block_seconds),
+                                        (SHARED_TIER, tier_block_seconds)) if s is not None}
         return choose_worker(mode, overlaps, loads, len(hashes), self.rng,
                              overlap_weight=overlap_weight, temperature=temperature,
                              rr_state=self.rr, cost_model=cost_model,

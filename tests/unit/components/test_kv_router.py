@@ -68,6 +68,31 @@ def test_pooled_blocks_are_priced_between_on_engine_and_uncached() -> None:
     assert s.pooled_beyond(blocks, {}) == {C: 6}
 
 
+def test_a_shared_tier_prices_what_any_worker_of_that_tier_wrote() -> None:
+    C, D = 0xC, 0xD
+    s = state_with(A, B, C, D)
+    blocks = hasher.block_hashes(prompt(1, 8))
+    for w in (A, B, C):
+        s.set_tier(w, "host-1:/dev/shm/kv/none")
+    s.set_tier(D, "host-2:/dev/shm/kv/none")  # the same directory on another host
+    s.apply(A, RelayBatch(seq=1, snapshot=True, stored=blocks[:2], pooled_stored=blocks[:4],
+                          tiered_stored=blocks[:4]))
+    s.apply(B, RelayBatch(seq=1, snapshot=True, tiered_stored=blocks))  # B wrote all 8
+    s.apply(C, RelayBatch(seq=1, snapshot=True, stored=blocks[:3]))
+    # past each one's engine prefix and pool: A 2 on the engine + 2 pooled + 4 from the
+    # tier, B 8 from it, C 3 on the engine + 5 from it; D shares no tier with them
+    assert s.offloaded(blocks, {A: 2, C: 3}) == {
+        A: {"pool": 2, "shared": 4}, B: {"shared": 8}, C: {"shared": 5}}
+    d = s.decide(RouterMode.KV, blocks, pool_block_seconds=1e-6, tier_block_seconds=2e-6)
+    assert d.worker_id in (A, B, C) and d.costs[D] > max(d.costs[w] for w in (A, B, C))
+    assert d.costs[C] < d.costs[B]  # on-engine blocks beat tier loads
+    # the tier not priced: C's longer on-engine prefix wins
+    assert s.decide(RouterMode.KV, blocks, pool_block_seconds=None,
+                    tier_block_seconds=None).worker_id == C
+    s.remove_worker(B)  # what B wrote is no longer known; A's four still are
+    assert s.offloaded(blocks, {A: 2, C: 3}) == {A: {"pool": 2}, C: {"shared": 1}}
+
+
 def test_the_choice_is_limited_to_the_workers_of_the_model() -> None:
     s = state_with(A, B)
     shared = hasher.block_hashes(prompt(1, 8))

@@ -257,3 +257,20 @@ def test_pooled_blocks_are_their_own_tier() -> None:
     assert (index.worker_blocks(W), pooled.worker_blocks(W)) == ({2}, {2})
     RelayBatch(seq=10, cleared=True).apply_to(index, W, pooled)
     assert index.worker_blocks(W) == pooled.worker_blocks(W) == set()
+
+
+def test_blocks_written_to_the_shared_tier_are_a_third_tier() -> None:
+    feed = KvEventFeed()
+    sent = feed.publish([st(1, 2, medium="CPU"), st(1, 2, medium="STORAGE")])
+    assert sent is not None
+    assert (sent.stored, sent.pooled_stored, sent.tiered_stored) == ([], [1, 2], [1, 2])
+    assert feed.publish([st(1, medium="STORAGE")]) is None
+    snap = feed._snapshot()
+    assert snap.tiered_stored == [1, 2]
+    index, pooled, tiered = PrefixIndex(), PrefixIndex(), PrefixIndex()
+    snap.apply_to(index, W, pooled, tiered)
+    assert tiered.worker_blocks(W) == {1, 2} and index.worker_blocks(W) == set()
+    RelayBatch(seq=9, tiered_removed=[1]).apply_to(index, W, pooled, tiered)
+    assert tiered.worker_blocks(W) == {2}
+    RelayBatch(seq=10, cleared=True).apply_to(index, W, pooled, tiered)
+    assert tiered.worker_blocks(W) == set()
