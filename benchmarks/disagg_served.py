@@ -110,6 +110,8 @@ def run(requests: int, transport: str = "nixl") -> list[dict[str, Any]]:
                     moved = {k: after[k] - before[k] for k in after}
                     transfers, seconds, nbytes = as_transfer(transport, moved)
                     rows.append({"transport": transport, "prompt": label, "tokens": tokens,
+                                 "tier_read_ms": moved[SHM_SERIES[0]] * 1e3,
+                                 "pool_load_ms": moved[SHM_SERIES[1]] * 1e3,
                                  "warmup": i == 0, "transfers": transfers, "kv_bytes": nbytes,
                                  "kv_transfer_ms": seconds * 1e3, "ttft_ms": first * 1e3,
                                  "gib_per_s": nbytes / seconds / 2**30 if seconds > 0 else 0.0})

@@ -48,6 +48,7 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
+from dynagraph.llm.kv.block_copy import contiguous_runs, copy_runs
 from dynagraph.llm.kv.codec import KvCodec
 from dynagraph.llm.kv.codec import codec as make_codec
 
@@ -156,6 +157,8 @@ class HostPoolWorker(OffloadingWorker):
             e_ids = engine_ids[start:start + size]
             p_ids = pool_ids[start:start + size]
             start += size
+            to_engine = contiguous_runs(e_ids.numpy(), p_ids.numpy())
+            runs = [(p, e, n) for e, p, n in to_engine] if to_pool else to_engine
             for t_idx, page in group:
                 engine, pool = self._engine[t_idx], self._pool[t_idx]
                 if self._codec is not None:  # whole rows, as the codec packs them
@@ -167,9 +170,9 @@ class HostPoolWorker(OffloadingWorker):
                     moved += size * pool.shape[1]
                 else:
                     if to_pool:
-                        pool[p_ids, :page] = engine[e_ids, :page]
+                        copy_runs(pool, engine, runs, page)
                     else:
-                        engine[e_ids, :page] = pool[p_ids, :page]
+                        copy_runs(engine, pool, runs, page)
                     moved += size * page * self._unit[t_idx]
         self._finished.append(TransferResult(job_id=job_id, success=True, transfer_size=moved,
                                              transfer_time=time.perf_counter() - began))
