@@ -131,7 +131,8 @@ def summarize(rows: list[dict[str, Any]], raw: dict[str, float],
             out.append({"transport": transport, "prompt": label, "requests": 0})
             continue
         med = {k: statistics.median(r[k] for r in rs)
-               for k in ("tokens", "kv_bytes", "kv_transfer_ms", "gib_per_s", "ttft_ms")}
+               for k in ("tokens", "kv_bytes", "kv_transfer_ms", "gib_per_s", "ttft_ms",
+                         "tier_read_ms", "pool_load_ms") if all(k in r for r in rs)}
         memcpy = memcpy_gib_per_s(int(med["kv_bytes"]))
         out.append({"transport": transport, "prompt": label, "requests": len(rs),
                     **{k: round(v, 3) for k, v in med.items()},
@@ -157,7 +158,7 @@ def main() -> int:
     summary = [s for t in transports for s in summarize(rows, raw, t)]
     cols = ["transport", "prompt", "requests", "tokens", "kv_bytes", "kv_transfer_ms",
             "kv_transfer_ms_min", "gib_per_s", "raw_nixl_gib_per_s", "ratio_to_raw",
-            "memcpy_gib_per_s", "ratio_to_memcpy", "ttft_ms"]
+            "memcpy_gib_per_s", "ratio_to_memcpy", "tier_read_ms", "pool_load_ms", "ttft_ms"]
     table = bench.markdown_table(cols, summary)
     text = ("# KV transfers as served (graphs.disagg), medians\n\n"
             f"`python benchmarks/disagg_served.py --requests {args.requests} --transports "

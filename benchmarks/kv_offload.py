@@ -166,7 +166,8 @@ def markdown(result: dict[str, Any]) -> str:
                 "pool evictions": int(w["evictions"]),
             })
     lines += markdown_table(list(rows[0]), rows)
-    last = {run["setting"]: run["rounds"][-1]["ttft_ms"].get("mean") for run in runs}
+    last = {run.get("label", run["setting"]): run["rounds"][-1]["ttft_ms"].get("mean")
+            for run in runs}
     off = last.get("off")
     if off:
         lines += ["", "Last round, mean TTFT against `off` (goal <= 0.6x with a pool): "
