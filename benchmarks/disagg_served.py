@@ -8,12 +8,14 @@ transfer from the decode worker's own metrics (``dynamo_worker_kv_transfer_secon
 client sees (streamed completion). Prompts are fresh (no prefix-cache hits); the first
 request of each size is a warm-up (NIXL handshake and connection wire-up).
 
-``--transports nixl,shm`` serves the graph once per transport. ``shm``
+``--transports nixl,shm,shm:int8`` serves the graph once per transport. ``shm``
 (``kv-transport: shm``, ``dynagraph.llm.kv.shm_transport``): decode and prefill worker
 share a KV tier on /dev/shm, and the decode worker's transfer is what it reads: tier ->
 pool (``dynamo_worker_kv_tier_read_*``) plus pool -> engine
 (``dynamo_worker_kv_pool_load_seconds_total``, ``..._loaded_bytes_total``); the prefill
-side's write-through happens before the hand-off and is in the TTFT only. Each size's
+side's write-through happens before the hand-off and is in the TTFT only; ``shm:CODEC``
+stores the blocks compressed (``kv-compression``), so they move compressed (``kv_bytes``
+is then the encoded size). Each size's
 memcpy of the same bytes (numpy, this process) is measured in the same run.
 
     python benchmarks/disagg_served.py --requests 8 [--transports nixl,shm]
@@ -57,7 +59,7 @@ def scrape(address: str) -> dict[str, float]:
 
 def as_transfer(transport: str, moved: dict[str, float]) -> tuple[float, float, float]:
     """(transfers, seconds, bytes) of one request's KV hand-off, read on the decode side."""
-    if transport == "shm":
+    if transport.startswith("shm"):
         seconds = moved[SHM_SERIES[0]] + moved[SHM_SERIES[1]]
         return float(moved[SHM_SERIES[3]] > 0), seconds, moved[SHM_SERIES[2]]
     return moved[SERIES[2]], moved[SERIES[0]], moved[SERIES[1]]
@@ -86,9 +88,11 @@ def run(requests: int, transport: str = "nixl") -> list[dict[str, Any]]:
         cmd = [sys.executable, "-m", "dynagraph.cli.main", "serve", "graphs.disagg:Frontend",
                "-f", "configs/disagg.yaml", f"--Frontend.port={port}", f"--Common.model={model_dir}"]
         tier = tempfile.mkdtemp(prefix="disagg-served-kv-", dir="/dev/shm")
-        if transport == "shm":
+        if transport.startswith("shm"):  # shm or shm:CODEC (the blocks move compressed)
+            codec = transport.partition(":")[2] or "none"
             cmd += [f"--{c}.{k}" for c in ("VllmWorker", "PrefillWorker") for k in (
-                "kv-offload-gib=0.2", f"kv-offload-dir={tier}", "kv-transport=shm")]
+                "kv-offload-gib=0.2", f"kv-offload-dir={tier}", "kv-transport=shm",
+                f"kv-compression={codec}")]
         server = bench.ManagedProcess(cmd, env, name=f"disagg-{transport}")
         try:
             banner, _ = server.wait_line(lambda s: "VllmWorker[0] pid=" in s, 300)
@@ -103,7 +107,7 @@ def run(requests: int, transport: str = "nixl") -> list[dict[str, Any]]:
                     first, tokens = bench.completion_ttft(url, prompt)
                     after = before
                     deadline = time.monotonic() + 5
-                    count = SHM_SERIES[3] if transport == "shm" else SERIES[2]
+                    count = SHM_SERIES[3] if transport.startswith("shm") else SERIES[2]
                     while after[count] == before[count] and time.monotonic() < deadline:
                         time.sleep(0.02)  # the engine reports a transfer after its step
                         after = scrape(m.group(1))
@@ -147,7 +151,8 @@ def summarize(rows: list[dict[str, Any]], raw: dict[str, float],
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=8)
-    ap.add_argument("--transports", default="nixl", help="comma-separated: nixl, shm")
+    ap.add_argument("--transports", default="nixl",
+                    help="comma-separated: nixl, shm, shm:CODEC (e.g. shm:int8)")
     ap.add_argument("--name", default="disagg_served")
     args = ap.parse_args()
     transports = args.transports.split(",")

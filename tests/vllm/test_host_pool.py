@@ -117,16 +117,18 @@ async def test_the_quality_guard_passes_int8_and_refuses_a_bad_codec(
 
 
 @pytest.mark.asyncio(loop_scope="session")
+@pytest.mark.parametrize("codec", ["none", "int8"])
 async def test_a_second_worker_loads_a_prefix_the_first_left_in_the_shared_tier(
-        model_dir: Path, tmp_path: Path) -> None:
+        model_dir: Path, tmp_path: Path, codec: str) -> None:
     """``kv-offload-dir``: worker A's pool writes its blocks through to the directory;
     worker B (its own engine and pool, same directory) finds them there, loads them
-    instead of computing them, and generates the same greedy tokens."""
+    instead of computing them, and generates the same greedy tokens. With a codec the
+    blocks are stored, and read back, compressed."""
     def tiered(events: str | None = None) -> VllmEngine:
         return VllmEngine(VllmEngineArgs(
             model=str(model_dir), block_size=TEST_BLOCK_SIZE, max_model_len=1024,
             max_num_seqs=2, kv_offload_gib=0.05, kv_offload_dir=str(tmp_path),
-            kv_events_endpoint=events, kv_events_topic="tier-test"))
+            kv_compression=codec, kv_events_endpoint=events, kv_events_topic="tier-test"))
 
     relay = KvEventRelay(hasher=HASHER)
     a, b = tiered(relay.bind()), tiered()
@@ -139,6 +141,9 @@ async def test_a_second_worker_loads_a_prefix_the_first_left_in_the_shared_tier(
         from_a = await greedy(a, "tier-a", tokens)
         assert a.load().kv_tier_hit_tokens == 0
         await until(lambda: len(list(tmp_path.rglob("*.bin"))) >= PROMPT_BLOCKS)
+        sizes = {f.stat().st_size for f in (tmp_path / codec).rglob("*.bin")}
+        raw = 4 * 2 * TEST_BLOCK_SIZE * 2 * 64 * 2  # layers x K,V x tokens x heads x dim x bf16
+        assert sizes == {raw} if codec == "none" else max(sizes) < 0.6 * raw, sizes
         # A's relay publishes what A wrote to the tier, for the Router (medium STORAGE)
         await until(lambda: all(h in relay.tiered for h in HASHER.block_hashes(tokens)))
         from_b = await greedy(b, "tier-b", tokens)

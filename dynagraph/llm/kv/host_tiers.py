@@ -87,6 +87,23 @@ class TieredHostPoolSpec(TieringOffloadingSpec):
         if not self.secondary_tier_configs:
             raise ValueError("TieredHostPoolSpec needs secondary_tiers in its extra config")
         self.codec, self.dtype = pool_settings(self, config.model.dtype)
+        if (self.codec.name != "none" and config.worker_kv_bytes_per_block > 0
+                and config.parallel.world_size <= 1):
+            self._rows_of_encoded_blocks(config)
+
+    def _rows_of_encoded_blocks(self, config: OffloadingConfig) -> None:
+        """A lossy codec's blocks take rows of their encoded size (vLLM sized them for raw
+        blocks): more blocks in the pool's memory, and smaller files in the tier, so a
+        block moves compressed wherever it goes through the tier."""
+        values = config.worker_kv_bytes_per_block // self.dtype.itemsize
+        layers = max(sum(len(g.layer_names) for g in config.groups), 1)
+        # the worker encodes each KV tensor's rows on their own (a tensor per layer, or
+        # per layer and K/V): the larger of both splits, so every tensor's rows fit
+        encoded = max(k * self.codec.encoded_bytes(-(-values // k)) for k in (layers, 2 * layers))
+        self.cpu_page_size_per_worker = encoded
+        self.kv_bytes_per_chunk = -(-encoded // self.BLOCK_SIZE_ALIGNMENT) * (
+            self.BLOCK_SIZE_ALIGNMENT)
+        self.num_chunks = int(self.extra_config["cpu_bytes_to_use"]) // self.kv_bytes_per_chunk
 
     @classmethod
     def build_metric_definitions(
