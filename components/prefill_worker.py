@@ -38,10 +38,9 @@ from dynagraph.llm.disagg import (
     reply_through,
     serve_queue,
 )
-from dynagraph.llm.engines.vllm_engine import VllmEngine, VllmEngineArgs
+from dynagraph.llm.engines.vllm_engine import VllmEngine, VllmEngineArgs, block_hasher
 from dynagraph.llm.kv.nixl_side import nixl_key, prepare_nixl
 from dynagraph.llm.kv.shm_transport import offer
-from dynagraph.llm.router.hashing import BlockHasher, seed_from_env
 from dynagraph.observability.disagg_metrics import PrefillQueueMetrics
 from dynagraph.runtime.live_settings import LiveSpec
 from dynagraph.runtime.queue import NatsPrefillQueue
@@ -93,10 +92,7 @@ class PrefillWorker(Component):
         self.faults = self.LIVE_SETTINGS.bind(PrefillFaults(), self.runtime.settings_prefix())
         self._tasks: list[asyncio.Task[None]] = []
         self.outcomes: dict[str, int] = {}
-        self.hasher = BlockHasher(config.block_size,
-                                  config.extra_engine_args.get("prefix_caching_hash_algo",
-                                                               "sha256"),
-                                  seed_from_env(os.environ))
+        self.hasher = block_hasher(config)
 
     @async_on_start
     async def start(self) -> None:

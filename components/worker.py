@@ -46,12 +46,16 @@ from dynagraph.llm.disagg.decode import DecodeDisagg
 from dynagraph.llm.disagg.policy import LIVE as DISAGG_LIVE
 from dynagraph.llm.disagg.policy import DisaggConfig
 from dynagraph.llm.engines.base import Engine, SamplingSpec
-from dynagraph.llm.engines.vllm_engine import VllmEngine, VllmEngineArgs, spread_bind
+from dynagraph.llm.engines.vllm_engine import (
+    VllmEngine,
+    VllmEngineArgs,
+    block_hasher,
+    spread_bind,
+)
 from dynagraph.llm.kv.relay import KvEventFeed, KvEventRelay, load_snapshots
 from dynagraph.llm.kv.shm_transport import is_shm, offer
 from dynagraph.llm.models import served_model_metadata
 from dynagraph.llm.protocol import LLMEngineOutput, PreprocessedRequest
-from dynagraph.llm.router.hashing import BlockHasher, seed_from_env
 from dynagraph.llm.tenants import Signer, cache_salt_of
 from dynagraph.llm.waiting import WaitingRequests
 from dynagraph.observability.worker_metrics import register_engine_load
@@ -166,8 +170,7 @@ class VllmWorker(DecodeWorkerEndpoints):
                                           config.kv_transfer_config)
         if self.disagg is not None:
             config = self.disagg.engine_args(config)
-        self.hasher = BlockHasher(config.block_size, _hash_algo(config),
-                                  seed_from_env(os.environ))
+        self.hasher = block_hasher(config)
         self.relay: KvEventRelay | None = None
         if config.publish_kv_events:
             if config.kv_events_endpoint:
@@ -263,10 +266,6 @@ class VllmWorker(DecodeWorkerEndpoints):
 
     def _kv_feed(self) -> KvEventFeed | None:
         return self.relay
-
-
-def _hash_algo(config: VllmEngineArgs) -> Any:
-    return config.extra_engine_args.get("prefix_caching_hash_algo", "sha256")
 
 
 async def engine_stream(engine: Engine, request: PreprocessedRequest,

@@ -42,6 +42,7 @@ class DisaggWorkerKeys(ConfigModel):
 
     @model_validator(mode="after")
     def _shm_needs_a_tier(self) -> DisaggWorkerKeys:
+        # kv-offload-dir is an engine key: the worker configs that mix these keys in have it
         if self.kv_transport == "shm" and not getattr(self, "kv_offload_dir", None):
             raise ValueError("kv-transport shm moves the KV through the kv-offload-dir tier "
                              "(with kv-offload-gib): set both, the tier on a tmpfs such as "

@@ -199,7 +199,6 @@ class PrefillJobHandler:
                               "producer (kv_transfer_config with kv_role kv_producer)?")
         return params
 
-
     async def _prefill_into_tier(self, rid: str, prompt: list[int], spec: SamplingSpec,
                                  digests: list[bytes]) -> dict[str, Any]:
         """Prefill as a local request; its blocks go through the engine's pool to the

@@ -37,6 +37,7 @@ from dynagraph.llm.engines.vllm_stats import (
     no_prometheus_logger,
 )
 from dynagraph.llm.kv.shm_transport import tier_dir
+from dynagraph.llm.router.hashing import BlockHasher, seed_from_env
 from dynagraph.runtime import progress
 
 log = logging.getLogger(__name__)
@@ -208,6 +209,14 @@ def kv_transfer_config(args: VllmEngineArgs) -> dict[str, Any] | None:
     if engine_id is not None:
         multi["engine_id"] = engine_id
     return multi
+
+
+def block_hasher(args: VllmEngineArgs) -> BlockHasher:
+    """Hashes blocks as this engine does: its block size, prefix-caching hash algorithm
+    and seed (``PYTHONHASHSEED`` of the environment it inherits)."""
+    return BlockHasher(args.block_size,
+                       args.extra_engine_args.get("prefix_caching_hash_algo", "sha256"),
+                       seed_from_env(os.environ))
 
 
 def spread_bind(value: str | None, worker_index: int, cpus: int) -> str | None:

@@ -62,12 +62,14 @@ def accepts(own: Mapping[str, str] | None, engine_params: Mapping[str, Any]) -> 
 
 
 def handed_over(blocks: int, present: bool, wait_s: float) -> dict[str, Any]:
+    """A prefill worker's hand-off through the tier (in place of NIXL's parameters)."""
     return {TRANSPORT_KEY: "shm", "blocks": blocks, "present": present,
             "wait_s": round(wait_s, 6)}
 
 
 def is_shm(kv_transfer_params: Mapping[str, Any] | None) -> bool:
-    return bool(kv_transfer_params) and kv_transfer_params.get(TRANSPORT_KEY) == "shm"  # type: ignore[union-attr]
+    """True for a hand-off through the tier (the decode engine runs it as local)."""
+    return kv_transfer_params is not None and kv_transfer_params.get(TRANSPORT_KEY) == "shm"
 
 
 def block_paths(layout_dir: str, digests: Sequence[bytes]) -> list[str]:
