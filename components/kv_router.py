@@ -233,7 +233,8 @@ class Router(Component):
         self.state.apply(w, RelayBatch.from_wire(item))
         self.metrics.kv_event_batch(_label(w))
         self.metrics.index_blocks(_label(w), self.state.index.num_blocks(w),
-                                  self.state.pooled.num_blocks(w))
+                                  self.state.pooled.num_blocks(w),
+                                  self.state.tiered.num_blocks(w))
 
     def _on_load(self, w: int, item: Any) -> None:
         now = time.monotonic()

@@ -7,7 +7,7 @@ The Router component builds one set from its runtime's registry::
     self.metrics.decision(mode="kv", worker=f"{wid:x}", request_blocks=n,
                           overlap_blocks=k, seconds=t)
     self.metrics.kv_event_batch(f"{wid:x}")
-    self.metrics.index_blocks(f"{wid:x}", blocks, pooled_blocks)
+    self.metrics.index_blocks(f"{wid:x}", blocks, pooled_blocks, tiered_blocks)
     self.metrics.prefill_tokens_per_second(f"{wid:x}", tokens_per_s)
     self.metrics.rebalanced(f"{wid:x}", count)
     self.metrics.forget_worker(f"{wid:x}")
@@ -28,6 +28,7 @@ class RouterMetrics:
         self.decision_seconds = histogram("dynamo_router_decision_seconds", registry)
         self.index = gauge("dynamo_router_index_blocks", registry)
         self.pooled = gauge("dynamo_router_index_pooled_blocks", registry)
+        self.tiered = gauge("dynamo_router_index_tiered_blocks", registry)
         self.batches = counter("dynamo_router_kv_event_batches_total", registry)
         self.predicted_ttft = histogram("dynamo_router_predicted_ttft_seconds", registry)
         self.prefill_speed = gauge("dynamo_router_worker_prefill_tokens_per_second", registry)
@@ -54,14 +55,16 @@ class RouterMetrics:
     def kv_event_batch(self, worker: str, count: int = 1) -> None:
         self.batches.labels(worker).inc(count)
 
-    def index_blocks(self, worker: str, blocks: int, pooled: int = 0) -> None:
-        """The index's blocks of ``worker``: on its engine, and in its host KV pool."""
+    def index_blocks(self, worker: str, blocks: int, pooled: int = 0, tiered: int = 0) -> None:
+        """The index's blocks of ``worker``: on its engine, in its host KV pool, and those
+        it wrote to its shared tier."""
         self.index.labels(worker).set(blocks)
         self.pooled.labels(worker).set(pooled)
+        self.tiered.labels(worker).set(tiered)
 
     def forget_worker(self, worker: str) -> None:
         """Drop a departed worker's index gauge (its counters keep their history)."""
-        for family in (self.index, self.pooled, self.prefill_speed):
+        for family in (self.index, self.pooled, self.tiered, self.prefill_speed):
             try:
                 family.remove(worker)
             except KeyError:

@@ -11,6 +11,8 @@ in fresh loops on threads of their own: with the package loop alone it happened 
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -23,18 +25,30 @@ from ._probe import GraphProbe
 
 MAX_MODEL_LEN = 1024
 POOL_GIB = 0.05
-"""Each worker keeps a small host KV pool (``kv-offload-gib``), as users may."""
+"""Each worker keeps a small host KV pool (``kv-offload-gib``), as users may, with a tier
+under it that both share (``kv-offload-dir``, on /dev/shm: ``shared_tier``)."""
 MODEL = "tiny-llama"
 
 
 @pytest.fixture(scope="package")
-def router_graph(model_dir: Path, etcd_url: str, nats_url: str) -> Iterator[ServeProcess]:
+def shared_tier() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="dynagraph-test-tier-", dir="/dev/shm"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="package")
+def router_graph(model_dir: Path, etcd_url: str, nats_url: str,
+                 shared_tier: Path) -> Iterator[ServeProcess]:
     # Engine cores in their own processes, as in production: two in-process engine cores
     # on 2 cores can starve a worker's event loop and its lease keepalive.
     with served(["graphs.agg_router:Frontend", "-f", "configs/agg_router.yaml",
                  "--Frontend.port=0", f"--Common.model={model_dir}",
                  f"--Common.max-model-len={MAX_MODEL_LEN}", "--VllmWorker.max-num-seqs=8",
                  f"--VllmWorker.kv-offload-gib={POOL_GIB}",
+                 f"--VllmWorker.kv-offload-dir={shared_tier}",
                  "--Frontend.max-inflight-requests=48", "--Frontend.max-queued-requests=48",
                  "--Frontend.queue-timeout=5"],
                 graph_env(etcd_url, nats_url), clean_exit=False) as sp:

@@ -10,7 +10,9 @@ from typing import Any
 import httpx
 import pytest
 
-from ._probe import GraphProbe
+from dynagraph.runtime.discovery import endpoint_prefix
+
+from ._probe import NS, GraphProbe
 from .conftest import MODEL
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="package")]
@@ -107,6 +109,30 @@ async def test_pooled_blocks_reach_the_router_as_their_own_tier(
             break
         await asyncio.sleep(0.1)
     assert pooled.get(label, 0) >= 6, f"the Router's pooled index: {pooled}"
+
+
+async def test_the_shared_tier_reaches_the_router_as_a_third_tier(
+        router_url: str, probe: GraphProbe) -> None:
+    """Both workers name one tier under their pools (``kv_tier`` in their instance
+    records, how the Router knows they share it); the blocks a worker writes there reach
+    the Router's tier index."""
+    workers = await probe.wait_workers(2)
+    records = await probe.discovery.get_prefix(endpoint_prefix(NS, "VllmWorker", "kv_events"))
+    tiers = {v["metadata"].get("kv_tier") for v in records.values()}
+    assert len(records) >= len(workers) and len(tiers) == 1 and None not in tiers, records
+    before = await snapshot(probe)
+    prompt = tokens(6 * BLOCK + 3)
+    await complete(router_url, prompt)
+    holder, _ = await served_by(probe, before)
+    await complete(router_url, prompt[:BLOCK] + tokens(5))  # a step that stores them
+    label = f"{holder:x}"
+    deadline = time.monotonic() + 20
+    while True:
+        tiered = await probe.router_metric("dynamo_router_index_tiered_blocks")
+        if tiered.get(label, 0) >= 6 or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.1)
+    assert tiered.get(label, 0) >= 6, f"the Router's tier index: {tiered}"
 
 
 async def test_concurrent_new_prefixes_spread_over_the_workers(

@@ -61,7 +61,7 @@ def _exercise(registry: CollectorRegistry) -> str:
     rm = RouterMetrics(registry)
     rm.decision(mode="kv", worker="a1", request_blocks=8, overlap_blocks=6, seconds=0.0002)
     rm.kv_event_batch("a1", 3)
-    rm.index_blocks("a1", 42, pooled=90)
+    rm.index_blocks("a1", 42, pooled=90, tiered=7)
     rm.index_blocks("b2", 1)
     rm.forget_worker("b2")
     rm.forget_worker("never-seen")
@@ -94,6 +94,7 @@ def test_helpers_export_catalogued_names_with_expected_values() -> None:
     assert 'dynamo_router_index_blocks{worker="b2"}' not in text
     assert value(text, 'dynamo_router_index_pooled_blocks{worker="a1"}') == 90
     assert 'dynamo_router_index_pooled_blocks{worker="b2"}' not in text
+    assert value(text, 'dynamo_router_index_tiered_blocks{worker="a1"}') == 7
     assert value(text, 'dynamo_router_kv_event_batches_total{worker="a1"}') == 3
     assert value(text, 'dynamo_worker_kv_transfer_bytes_total{worker="a1"}') == 4096
     assert value(text, "dynamo_prefill_queue_depth") == 3
