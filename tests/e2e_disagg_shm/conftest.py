@@ -6,8 +6,6 @@ the infrastructure fixtures are that package's (imported: same prompts, own inst
 from __future__ import annotations
 
 import re
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +13,7 @@ import pytest
 
 from dynagraph.runtime.infra import LocalService
 from tests.e2e_disagg.conftest import THRESHOLD, DisaggGraph, agg_reference, infra
+from tests.support.paths import shm_dir
 from tests.support.serve import graph_env, served
 
 __all__ = ["agg_reference", "infra", "shm_graph"]
@@ -22,11 +21,8 @@ __all__ = ["agg_reference", "infra", "shm_graph"]
 
 @pytest.fixture(scope="package")
 def shm_tier() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="dynagraph-test-kv-", dir="/dev/shm"))
-    try:
+    with shm_dir("dynagraph-test-kv-") as path:
         yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="package")

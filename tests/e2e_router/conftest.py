@@ -11,14 +11,13 @@ in fresh loops on threads of their own: with the package loop alone it happened 
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 import pytest_asyncio
 
+from tests.support.paths import shm_dir
 from tests.support.serve import ServeProcess, graph_env, served
 
 from ._probe import GraphProbe
@@ -32,11 +31,8 @@ MODEL = "tiny-llama"
 
 @pytest.fixture(scope="package")
 def shared_tier() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="dynagraph-test-tier-", dir="/dev/shm"))
-    try:
+    with shm_dir("dynagraph-test-tier-") as path:
         yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="package")

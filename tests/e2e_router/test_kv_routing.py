@@ -66,6 +66,18 @@ async def wait_route(probe: GraphProbe, prompt: list[int], overlap: int,
         await asyncio.sleep(0.05)
 
 
+async def metric_reaches(probe: GraphProbe, name: str, label: str, at_least: float,
+                         within: float = 20.0) -> dict[str, float]:
+    """The Router's gauge ``name`` by worker, once ``label``'s reaches ``at_least`` (or
+    ``within`` seconds passed)."""
+    deadline = time.monotonic() + within
+    while True:
+        values = await probe.router_metric(name)
+        if values.get(label, 0) >= at_least or time.monotonic() > deadline:
+            return values
+        await asyncio.sleep(0.1)
+
+
 async def test_shared_prefix_follows_the_cache_and_hashes_match_vllm(
         router_url: str, probe: GraphProbe) -> None:
     await probe.wait_workers(2)
@@ -101,14 +113,8 @@ async def test_pooled_blocks_reach_the_router_as_their_own_tier(
     # vLLM stores a request's blocks at the engine's next step: one more request with the
     # same first block (so the Router sends it to the same worker) makes one
     await complete(router_url, prompt[:BLOCK] + tokens(5))
-    label = f"{holder:x}"
-    deadline = time.monotonic() + 20
-    while True:
-        pooled = await probe.router_metric("dynamo_router_index_pooled_blocks")
-        if pooled.get(label, 0) >= 6 or time.monotonic() > deadline:
-            break
-        await asyncio.sleep(0.1)
-    assert pooled.get(label, 0) >= 6, f"the Router's pooled index: {pooled}"
+    pooled = await metric_reaches(probe, "dynamo_router_index_pooled_blocks", f"{holder:x}", 6)
+    assert pooled.get(f"{holder:x}", 0) >= 6, f"the Router's pooled index: {pooled}"
 
 
 async def test_the_shared_tier_reaches_the_router_as_a_third_tier(
@@ -125,14 +131,8 @@ async def test_the_shared_tier_reaches_the_router_as_a_third_tier(
     await complete(router_url, prompt)
     holder, _ = await served_by(probe, before)
     await complete(router_url, prompt[:BLOCK] + tokens(5))  # a step that stores them
-    label = f"{holder:x}"
-    deadline = time.monotonic() + 20
-    while True:
-        tiered = await probe.router_metric("dynamo_router_index_tiered_blocks")
-        if tiered.get(label, 0) >= 6 or time.monotonic() > deadline:
-            break
-        await asyncio.sleep(0.1)
-    assert tiered.get(label, 0) >= 6, f"the Router's tier index: {tiered}"
+    tiered = await metric_reaches(probe, "dynamo_router_index_tiered_blocks", f"{holder:x}", 6)
+    assert tiered.get(f"{holder:x}", 0) >= 6, f"the Router's tier index: {tiered}"
 
 
 async def test_concurrent_new_prefixes_spread_over_the_workers(
