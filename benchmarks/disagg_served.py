@@ -51,6 +51,12 @@ SHM_SERIES = ("dynamo_worker_kv_tier_read_seconds_total", "dynamo_worker_kv_pool
               "dynamo_worker_kv_pool_loaded_bytes_total", "dynamo_worker_kv_tier_hit_tokens_total")
 
 
+PREFILL_LINE = re.compile(r"prefill \S+: handed-off \(queue wait ([\d.]+)s, prefill ([\d.]+)s, "
+                          r"hand-off ([\d.]+)s\)")
+"""A prefill worker's log line per job (``dynagraph.llm.disagg.prefill``); with ``shm`` its
+prefill includes the wait for the prompt's blocks to reach the tier."""
+
+
 def scrape(address: str) -> dict[str, float]:
     """The KV-transfer series of one worker, summed over their label sets."""
     text = metrics_text(address)
@@ -119,6 +125,11 @@ def run(requests: int, transport: str = "nixl") -> list[dict[str, Any]]:
                                  "warmup": i == 0, "transfers": transfers, "kv_bytes": nbytes,
                                  "kv_transfer_ms": seconds * 1e3, "ttft_ms": first * 1e3,
                                  "gib_per_s": nbytes / seconds / 2**30 if seconds > 0 else 0.0})
+            # the prefill worker's own account of each job (its log line), in request order
+            jobs = PREFILL_LINE.findall("\n".join(server.lines))
+            if len(jobs) == len(rows):
+                for r, (_, prefill, hand_off) in zip(rows, jobs, strict=True):
+                    r["prefill_ms"], r["hand_off_ms"] = float(prefill) * 1e3, float(hand_off) * 1e3
         finally:
             server.stop()
             shutil.rmtree(tier, ignore_errors=True)
@@ -136,7 +147,8 @@ def summarize(rows: list[dict[str, Any]], raw: dict[str, float],
             continue
         med = {k: statistics.median(r[k] for r in rs)
                for k in ("tokens", "kv_bytes", "kv_transfer_ms", "gib_per_s", "ttft_ms",
-                         "tier_read_ms", "pool_load_ms") if all(k in r for r in rs)}
+                         "tier_read_ms", "pool_load_ms", "prefill_ms", "hand_off_ms")
+               if all(k in r for r in rs)}
         memcpy = memcpy_gib_per_s(int(med["kv_bytes"]))
         out.append({"transport": transport, "prompt": label, "requests": len(rs),
                     **{k: round(v, 3) for k, v in med.items()},
@@ -163,7 +175,8 @@ def main() -> int:
     summary = [s for t in transports for s in summarize(rows, raw, t)]
     cols = ["transport", "prompt", "requests", "tokens", "kv_bytes", "kv_transfer_ms",
             "kv_transfer_ms_min", "gib_per_s", "raw_nixl_gib_per_s", "ratio_to_raw",
-            "memcpy_gib_per_s", "ratio_to_memcpy", "tier_read_ms", "pool_load_ms", "ttft_ms"]
+            "memcpy_gib_per_s", "ratio_to_memcpy", "tier_read_ms", "pool_load_ms", "prefill_ms",
+            "hand_off_ms", "ttft_ms"]
     table = bench.markdown_table(cols, summary)
     text = ("# KV transfers as served (graphs.disagg), medians\n\n"
             f"`python benchmarks/disagg_served.py --requests {args.requests} --transports "
