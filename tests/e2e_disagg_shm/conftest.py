@@ -30,7 +30,7 @@ def shm_graph(model_dir: Path, infra: tuple[LocalService, LocalService], shm_tie
               agg_reference: object) -> Iterator[DisaggGraph]:
     etcd, nats = infra
     tier = [f"--{c}.{k}" for c in ("VllmWorker", "PrefillWorker") for k in (
-        "kv-offload-gib=0.1", f"kv-offload-dir={shm_tier}", "kv-transport=shm")]
+        "kv-offload-gib=0.02", f"kv-offload-dir={shm_tier}", "kv-transport=shm")]
     with served(["graphs.disagg:Frontend", "-f", "configs/disagg.yaml", "--Frontend.port=0",
                  f"--Common.model={model_dir}",
                  f"--VllmWorker.max-local-prefill-length={THRESHOLD}", *tier],

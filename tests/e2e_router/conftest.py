@@ -23,9 +23,10 @@ from tests.support.serve import ServeProcess, graph_env, served
 from ._probe import GraphProbe
 
 MAX_MODEL_LEN = 1024
-POOL_GIB = 0.05
+POOL_GIB = 0.02
 """Each worker keeps a small host KV pool (``kv-offload-gib``), as users may, with a tier
-under it that both share (``kv-offload-dir``, on /dev/shm: ``shared_tier``)."""
+under it that both share (``kv-offload-dir``, on /dev/shm: ``shared_tier``). With a tier the
+pool's region lives in /dev/shm too: small, so a small /dev/shm (containers) holds both."""
 MODEL = "tiny-llama"
 
 

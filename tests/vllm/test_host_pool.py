@@ -127,7 +127,7 @@ async def test_a_second_worker_loads_a_prefix_the_first_left_in_the_shared_tier(
     def tiered(events: str | None = None) -> VllmEngine:
         return VllmEngine(VllmEngineArgs(
             model=str(model_dir), block_size=TEST_BLOCK_SIZE, max_model_len=1024,
-            max_num_seqs=2, kv_offload_gib=0.05, kv_offload_dir=str(tmp_path),
+            max_num_seqs=2, kv_offload_gib=0.01, kv_offload_dir=str(tmp_path),
             kv_compression=codec, kv_events_endpoint=events, kv_events_topic="tier-test"))
 
     relay = KvEventRelay(hasher=HASHER)
