@@ -93,8 +93,9 @@ def run(requests: int, transport: str = "nixl") -> list[dict[str, Any]]:
                "NATS_SERVER": infra["nats"].url, "PYTHONUNBUFFERED": "1"}
         cmd = [sys.executable, "-m", "dynagraph.cli.main", "serve", "graphs.disagg:Frontend",
                "-f", "configs/disagg.yaml", f"--Frontend.port={port}", f"--Common.model={model_dir}"]
-        tier = tempfile.mkdtemp(prefix="disagg-served-kv-", dir="/dev/shm")
+        tier = None
         if transport.startswith("shm"):  # shm or shm:CODEC (the blocks move compressed)
+            tier = tempfile.mkdtemp(prefix="disagg-served-kv-", dir="/dev/shm")
             codec = transport.partition(":")[2] or "none"
             cmd += [f"--{c}.{k}" for c in ("VllmWorker", "PrefillWorker") for k in (
                 "kv-offload-gib=0.2", f"kv-offload-dir={tier}", "kv-transport=shm",
@@ -132,7 +133,8 @@ def run(requests: int, transport: str = "nixl") -> list[dict[str, Any]]:
                     r["prefill_ms"], r["hand_off_ms"] = float(prefill) * 1e3, float(hand_off) * 1e3
         finally:
             server.stop()
-            shutil.rmtree(tier, ignore_errors=True)
+            if tier is not None:
+                shutil.rmtree(tier, ignore_errors=True)
     return rows
 
 

@@ -124,7 +124,7 @@ class PrefillWorker(Component):
             observer=PrefillQueueMetrics(rt.registry),
             tier=(offer(self.config.kv_offload_dir, self.config.kv_compression)
                   if self.config.kv_transport != "nixl" else None),
-            digests=self._digests,
+            hasher=self.hasher,
         )
         self._tasks = [
             asyncio.create_task(serve_queue(self.queue, handler,
@@ -151,9 +151,6 @@ class PrefillWorker(Component):
     async def status(self, request: PrefillStatus) -> AsyncIterator[dict[str, Any]]:
         yield {"nixl": self.nixl.record(), "outcomes": dict(self.outcomes),
                "hold_before_reply_s": self.faults.current.hold_before_reply_s}
-
-    def _digests(self, prompt: list[int], cache_salt: str | None) -> list[bytes]:
-        return self.hasher.digests(prompt, cache_salt=cache_salt)
 
     def _count(self, outcome: JobOutcome) -> None:
         self.outcomes[outcome.status] = self.outcomes.get(outcome.status, 0) + 1

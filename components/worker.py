@@ -53,7 +53,7 @@ from dynagraph.llm.engines.vllm_engine import (
     spread_bind,
 )
 from dynagraph.llm.kv.relay import KvEventFeed, KvEventRelay, load_snapshots
-from dynagraph.llm.kv.shm_transport import is_shm, offer
+from dynagraph.llm.kv.shm_transport import is_shm, offer, tier_name
 from dynagraph.llm.models import served_model_metadata
 from dynagraph.llm.protocol import LLMEngineOutput, PreprocessedRequest
 from dynagraph.llm.tenants import Signer, cache_salt_of
@@ -214,7 +214,7 @@ class VllmWorker(DecodeWorkerEndpoints):
         )
         tier = offer(self.config.kv_offload_dir, self.config.kv_compression)
         if tier is not None:  # the Router credits this worker with the tier's blocks
-            self.runtime.metadata["kv_tier"] = f"{tier['host']}:{tier['dir']}"
+            self.runtime.metadata["kv_tier"] = tier_name(tier)
         log.info("engine ready in %.1fs (max_model_len %d)", self.engine.start_seconds,
                  self.engine.max_model_len)
 

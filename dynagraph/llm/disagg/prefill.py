@@ -34,6 +34,7 @@ from dynagraph.errors import EngineError, NoInstancesError, RequestPlaneError
 from dynagraph.llm.disagg.coordinator import PrefillAck, PrefillResult
 from dynagraph.llm.engines.base import EngineOutput, SamplingSpec
 from dynagraph.llm.kv.shm_transport import accepts, handed_over, wait_for_blocks
+from dynagraph.llm.router.hashing import BlockHasher
 from dynagraph.runtime.queue import PrefillQueue, PrefillQueueError, QueueItem, ReplyTarget
 
 log = logging.getLogger(__name__)
@@ -110,8 +111,8 @@ class PrefillJobHandler:
     tier: dict[str, str] | None = None
     """This worker's shared KV tier (``shm_transport.offer``): a job whose decode worker
     offers the same one is handed over through it instead of NIXL."""
-    digests: Callable[[list[int], str | None], list[bytes]] | None = None
-    """The engine's block hashes of a prompt (with a cache salt), to find them in the tier."""
+    hasher: BlockHasher | None = None
+    """Hashes blocks as the engine does, to find a prompt's blocks in the tier."""
     tier_wait_s: float = 2.0
     """Longest wait for a prompt's blocks to reach the tier (then the decode worker
     computes what is missing)."""
@@ -185,12 +186,13 @@ class PrefillJobHandler:
         s = job.sampling
         spec = SamplingSpec(max_tokens=1, temperature=s.temperature, top_p=s.top_p,
                             top_k=s.top_k, seed=s.seed, cache_salt=s.cache_salt)
-        if self.tier is not None and self.digests is not None and accepts(self.tier,
-                                                                          job.engine_params):
-            return await self._prefill_into_tier(f"{request_id}-prefill-{delivery}", prompt,
-                                                 spec, self.digests(prompt, s.cache_salt))
+        rid = f"{request_id}-prefill-{delivery}"
+        if self.tier is not None and self.hasher is not None and accepts(self.tier,
+                                                                         job.engine_params):
+            return await self._prefill_into_tier(
+                rid, prompt, spec, self.hasher.digests(prompt, cache_salt=s.cache_salt))
         params: dict[str, Any] | None = None
-        async for out in self.engine.generate(f"{request_id}-prefill-{delivery}", prompt, spec,
+        async for out in self.engine.generate(rid, prompt, spec,
                                               kv_transfer_params=dict(REMOTE_DECODE_PARAMS)):
             if out.kv_transfer_params is not None:
                 params = out.kv_transfer_params

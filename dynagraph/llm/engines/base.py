@@ -143,6 +143,7 @@ class EngineLoad(BaseModel):
     kv_tier_read_bytes: int = 0
     """Bytes read from that tier into the pool (before the pool's load into the engine)."""
     kv_tier_read_seconds: float = 0.0
+    """Seconds spent on those reads."""
     kv_pool_loaded_bytes: int = 0
     kv_pool_load_seconds: float = 0.0
     kv_pool_stored_bytes: int = 0

@@ -198,23 +198,18 @@ class HostPoolWorker(OffloadingWorker):
         self._engine.clear()
 
 
-def pool_codec(name: str, model_dtype: Any) -> tuple[KvCodec, torch.dtype]:
-    """The pool's codec (``kv-compression``) and the KV cache's element type; a lossy
-    codec needs a 16-bit cache."""
-    codec = make_codec(name)
+def pool_settings(spec: OffloadingSpec, model_dtype: Any) -> tuple[KvCodec, torch.dtype]:
+    """A pool spec's codec (``kv-compression``) and the KV cache's element type, once its
+    chunking is checked; a lossy codec needs a 16-bit cache."""
+    if spec.blocks_per_chunk != 1:
+        raise ValueError("the host KV pool stores one engine block per chunk; "
+                         "leave block_size / blocks_per_chunk out of its extra config")
+    codec = make_codec(str(spec.extra_config.get("codec", "none")))
     dtype = getattr(torch, str(model_dtype).removeprefix("torch."), None)
     if codec.name != "none" and dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"kv-compression {codec.name} needs a 16-bit KV cache, "
                          f"not {model_dtype}")
     return codec, dtype if isinstance(dtype, torch.dtype) else torch.bfloat16
-
-
-def pool_settings(spec: OffloadingSpec, model_dtype: Any) -> tuple[KvCodec, torch.dtype]:
-    """A pool spec's codec and KV element type, once its chunking is checked."""
-    if spec.blocks_per_chunk != 1:
-        raise ValueError("the host KV pool stores one engine block per chunk; "
-                         "leave block_size / blocks_per_chunk out of its extra config")
-    return pool_codec(str(spec.extra_config.get("codec", "none")), model_dtype)
 
 
 class HostPoolSpec(CPUOffloadingSpec):

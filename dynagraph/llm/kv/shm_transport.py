@@ -54,6 +54,12 @@ def offer(offload_dir: str | None, codec: str) -> dict[str, str] | None:
     return {"host": host_id(), "dir": tier_dir(offload_dir, codec)}
 
 
+def tier_name(tier: Mapping[str, str]) -> str:
+    """An offered tier as one string (a worker's ``kv_tier`` metadata, which the Router
+    groups workers by)."""
+    return f"{tier['host']}:{tier['dir']}"
+
+
 def accepts(own: Mapping[str, str] | None, engine_params: Mapping[str, Any]) -> bool:
     """True when a prefill worker with tier ``own`` shares the job's offered tier."""
     theirs = engine_params.get(TIER_KEY)

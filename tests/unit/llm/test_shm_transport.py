@@ -99,8 +99,7 @@ async def test_a_prefill_worker_hands_over_through_the_tier_only_when_both_share
     c = coordinator(q, engine_params={TIER_KEY: decode_tier} if decode_offers else {})
     engine = TierEngine(prefill_tier["dir"])
     sent: list[PrefillResult] = []
-    handler = PrefillJobHandler(engine, wire(c, sent), tier=prefill_tier,
-                                digests=lambda p, salt: HASHER.digests(p, cache_salt=salt))
+    handler = PrefillJobHandler(engine, wire(c, sent), tier=prefill_tier, hasher=HASHER)
     plan = await plan_served(q, handler, c, list(range(200)))
     assert plan.remote
     assert is_shm(plan.kv_transfer_params) is shm
