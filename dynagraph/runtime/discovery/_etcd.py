@@ -1,11 +1,13 @@
 """`EtcdDiscovery`: discovery on a real etcd through ``aetcd``.
 
 Lease life cycle: ``start()`` grants one lease whose id becomes the process's
-``instance_id``; a background task refreshes it every ``ttl/3`` seconds. If refreshing
-fails (etcd restarting) it retries with backoff; if etcd answers that the lease no
-longer exists (it expired while we were cut off), a NEW lease is granted and every
-lease-bound key (registrations, ``put(..., lease=True)``) is written again under it.
-The instance id never changes. ``close()`` revokes the lease so keys vanish at once.
+``instance_id``; a thread of its own refreshes it every ``ttl/3`` seconds through etcd's
+JSON gateway (:mod:`._lease_keeper` says why not on the event loop; where the gateway is
+missing, a task on the loop does it through gRPC). If refreshing fails (etcd restarting)
+it retries with backoff; if etcd answers that the lease no longer exists (it expired
+while we were cut off), a NEW lease is granted and every lease-bound key
+(registrations, ``put(..., lease=True)``) is written again under it. The instance id
+never changes. ``close()`` revokes the lease so keys vanish at once.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from dynagraph.runtime.discovery._etcd_mirror import (
     RETRYABLE,
     PrefixMirror,
 )
+from dynagraph.runtime.discovery._lease_keeper import LeaseKeeper
 from dynagraph.runtime.discovery._types import decode, encode, is_undecodable
 
 log = logging.getLogger(__name__)
@@ -69,6 +72,9 @@ class EtcdDiscovery(DiscoveryBase):
         self._reput_pending = False
         self._lease_lock = asyncio.Lock()
         self._keepalive_task: asyncio.Task[None] | None = None
+        self._keeper: LeaseKeeper | None = None
+        self._keeper_events: asyncio.Queue[int | str] = asyncio.Queue()
+        self._endpoint_at = 0  # the endpoint connected to
         self._mirrors: set[PrefixMirror] = set()
         self.lease_grants = 0
 
@@ -93,15 +99,17 @@ class EtcdDiscovery(DiscoveryBase):
         self._lease_id = lease.id
         if self._instance_id is None:
             self._instance_id = lease.id
+        self._start_keeper()
         self._keepalive_task = asyncio.create_task(self._keepalive(), name="etcd-keepalive")
         log.info("etcd discovery started: instance %x, lease ttl %ds", lease.id, self.lease_ttl)
 
     async def _connect(self) -> aetcd.Client:
         errors = []
-        for host, port in self.endpoints:
+        for at, (host, port) in enumerate(self.endpoints):
             client = aetcd.Client(host, port, timeout=self.op_timeout, options=GRPC_OPTIONS)
             try:
                 await asyncio.wait_for(client.status(), self.op_timeout)
+                self._endpoint_at = at
                 return client
             except ETCD_ERRORS as e:
                 errors.append(f"{host}:{port}: {e!r}")
@@ -111,6 +119,9 @@ class EtcdDiscovery(DiscoveryBase):
         )
 
     async def close(self) -> None:
+        keeper, self._keeper = self._keeper, None
+        if keeper is not None:
+            await asyncio.to_thread(keeper.stop, self.op_timeout)
         task, self._keepalive_task = self._keepalive_task, None
         if task is not None:
             task.cancel()
@@ -156,7 +167,54 @@ class EtcdDiscovery(DiscoveryBase):
 
     # -- keepalive -----------------------------------------------------------------
 
+    def _start_keeper(self) -> None:
+        loop = asyncio.get_running_loop()
+
+        def report(event: int | str) -> None:  # from the keeper's thread
+            if self._keeper is not None and not loop.is_closed():
+                loop.call_soon_threadsafe(self._keeper_events.put_nowait, event)
+
+        at = self._endpoint_at
+        self._keeper = LeaseKeeper(
+            [*self.endpoints[at:], *self.endpoints[:at]], interval=self.lease_ttl / 3,
+            timeout=self.op_timeout, lease=lambda: self._lease_id, on_lost=report,
+            on_unsupported=report)
+        self._keeper.start()
+
     async def _keepalive(self) -> None:
+        """Restores what the keeper reports lost (a new lease, the keys put again); where
+        etcd has no JSON gateway, refreshes the lease on the loop instead."""
+        lost: int | None = None
+        backoff = BACKOFF_START
+        while True:
+            if lost is None and not self._reput_pending:
+                event: int | str | None = await self._keeper_events.get()
+            else:  # a restore to retry: take news without waiting for it
+                event = None if self._keeper_events.empty() else self._keeper_events.get_nowait()
+            if isinstance(event, str):
+                log.warning("etcd's JSON gateway is not available (%s); refreshing the lease "
+                            "on the event loop through gRPC", event)
+                self._keeper = None
+                await self._refresh_on_loop()
+                return
+            if event is not None:
+                lost = event
+                log.warning("lease %x no longer exists in etcd; granting a new one", lost)
+            try:
+                if lost is not None:
+                    await self._regrant(lost)
+                    lost = None
+                if self._reput_pending:
+                    await self._reput()
+            except Exception as e:  # the keepalive must outlive any error; expected ones are quiet
+                log.warning("could not restore the lease yet (%r); retrying", e,
+                            exc_info=not isinstance(e, RETRYABLE))
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, BACKOFF_MAX)
+                continue
+            backoff = BACKOFF_START
+
+    async def _refresh_on_loop(self) -> None:
         interval = self.lease_ttl / 3
         delay = interval
         backoff = BACKOFF_START

@@ -150,6 +150,17 @@ async def test_lost_lease_is_regranted_keeping_instance_id(etcd_url: str) -> Non
         assert ids(watch) == [worker.instance_id]
 
 
+async def test_a_blocked_event_loop_keeps_the_lease(etcd_url: str) -> None:
+    """The keepalive runs on a thread of its own: a loop stuck for 3 TTLs (a busy
+    Frontend's, say) loses nothing."""
+    async with discs(etcd_url, 1) as (worker,):
+        await worker.put("/itest6/k", 1, lease=True)
+        lease = worker.lease_id
+        time.sleep(3 * TTL)  # noqa: ASYNC251 - blocking the loop is the point
+        assert await worker.get("/itest6/k") == 1
+        assert (worker.lease_id, worker.lease_grants) == (lease, 1)
+
+
 async def test_etcd_restart_loses_no_registration_or_event(own_etcd: LocalService) -> None:
     url = own_etcd.url
     async with discs(url, 3) as (a, b, watcher):
