@@ -39,7 +39,8 @@ class StartupOutput:
         parts = [(n if w == 1 else f"{n} x{w}")
                  + (f" with {', '.join(guests[n])} inside" if guests[n] else "")
                  for n, w in workers.items()]
-        emit(f"dynamo serve: starting {target}: {len(names)} processes ({', '.join(parts)})")
+        emit(f"dynamo serve: starting {target}: {len(names)} "
+             f"process{'' if len(names) == 1 else 'es'} ({', '.join(parts)})")
 
     def output_filter(self, child_env: Mapping[str, str]) -> OutputFilter:
         """The filter for a child started with ``child_env``."""

@@ -142,7 +142,7 @@ def resolve_config(
                 f"unknown component (this graph has {', '.join(names)})", file=file, component=comp
             )
     out: dict[str, ComponentConfig] = {}
-    set_workers: set[str] = set()  # components whose ServiceArgs.workers the user set
+    user_set: dict[str, set[str]] = {}  # component -> the ServiceArgs keys the file/overrides set
     for cls in graph.nodes:
         spec = spec_of(cls)
         section = data.get(spec.name) or {}
@@ -157,14 +157,13 @@ def resolve_config(
                 sargs_raw = {**sargs_raw, key.split(".", 1)[1]: value}
             else:
                 merged[key] = value
-        if "workers" in sargs_raw:
-            set_workers.add(spec.name)
+        user_set[spec.name] = set(sargs_raw)
         sargs = _validate(ServiceArgs, {"workers": spec.workers, "resources": spec.resources, **sargs_raw},
                           file, spec.name, prefix=f"{SERVICE_ARGS}.")
         values = _component_values(spec.config_type, merged, file, spec.name)
         out[spec.name] = ComponentConfig(spec.name, sargs, values,
                                          instances_per_process(cls, values))
-    _check_embedding(graph, out, file, set_workers)
+    _check_embedding(graph, out, file, user_set)
     return out
 
 
@@ -174,10 +173,12 @@ def embedded_in(configs: Mapping[str, ComponentConfig], host: str) -> list[str]:
 
 
 def _check_embedding(graph: Graph, configs: dict[str, ComponentConfig], file: str,
-                     set_workers: set[str]) -> None:
+                     user_set: dict[str, set[str]]) -> None:
     """``ServiceArgs.embed-in``: the host must be another component of the graph that calls
-    this one, not itself embedded, one instance per process on both sides. The embedded
-    component's ``workers`` become the host's (one per host process)."""
+    this one (directly, or through components embedded in it: the whole agg graph in the
+    Frontend's process, as vLLM's own server runs), not itself embedded, one instance per
+    process on both sides. The embedded component's ``workers`` become the host's (one
+    per host process)."""
     key = f"{SERVICE_ARGS}.embed-in"
     for name, cfg in configs.items():
         host = cfg.service_args.embed_in
@@ -192,19 +193,41 @@ def _check_embedding(graph: Graph, configs: dict[str, ComponentConfig], file: st
                          f"({', '.join(n for n in configs if n != name)})")
         if configs[host].service_args.embed_in is not None:
             raise refuse(f"{host} is itself embedded (in {configs[host].service_args.embed_in})")
-        cls, host_cls = graph.by_name(name), graph.by_name(host)
-        if cls not in graph.edges(host_cls).values():
-            raise refuse(f"{host} does not call {name} (no depends() edge to it)")
+        if not _calls_within(graph, configs, host, name):
+            raise refuse(f"{host} does not call {name} (no depends() edge to it, nor "
+                         f"through components embedded in {host})")
+        cls = graph.by_name(name)
         if spec_of(cls).controller:
             raise refuse(f"{name} is a controller: it runs beside the graph, not inside it")
         if cfg.instances_per_process != 1 or configs[host].instances_per_process != 1:
             raise refuse("needs one instance per process on both sides")
-        if name in set_workers:
-            raise ConfigError(f"an embedded component runs once in each {host} process; "
-                              f"set {host}'s workers instead", file=file, component=name,
-                              key=f"{SERVICE_ARGS}.workers")
+        sargs = cfg.service_args
+        for key_name, ignored in (("workers", "workers" in user_set.get(name, ())),
+                                  ("env", bool(sargs.env)),
+                                  ("resources", bool(sargs.resources.get("gpu")))):
+            if ignored:  # it would be: the host's process has its own
+                raise ConfigError(f"an embedded component runs in each {host} process, with "
+                                  f"its {key_name}; set {host}'s {key_name} instead",
+                                  file=file, component=name, key=f"{SERVICE_ARGS}.{key_name}")
         cfg.service_args = cfg.service_args.model_copy(
             update={"workers": configs[host].service_args.workers})
+
+
+def _calls_within(graph: Graph, configs: Mapping[str, ComponentConfig], host: str,
+                  name: str) -> bool:
+    """Whether ``host`` calls ``name`` directly or through components embedded in it."""
+    target, todo, seen = graph.by_name(name), [graph.by_name(host)], set()
+    while todo:
+        for callee in graph.edges(todo.pop()).values():
+            if callee is None or callee in seen:
+                continue
+            if callee is target:
+                return True
+            seen.add(callee)
+            callee_cfg = configs.get(spec_of(callee).name)
+            if callee_cfg is not None and callee_cfg.service_args.embed_in == host:
+                todo.append(callee)
+    return False
 
 
 def build_config(cls: type, values: dict[str, Any]) -> BaseModel | None:

@@ -275,7 +275,7 @@ def test_bad_resources_name_file_component_key(resources: str, key: str, words: 
                                                tmp_path: Path) -> None:
     path = tmp_path / "agg.yaml"
     path.write_text((REPO / "configs" / "agg.yaml").read_text().replace(
-        "  ServiceArgs:\n    workers: 1\n", f"  ServiceArgs:\n    workers: 1\n    resources: {resources}\n"))
+        "  enforce-eager: true\n", f"  enforce-eager: true\n  ServiceArgs:\n    resources: {resources}\n"))
     with pytest.raises(ConfigError) as info:
         manifests_for("agg", config=path)
     assert (info.value.file, info.value.component, info.value.key) == (str(path), "VllmWorker", key)

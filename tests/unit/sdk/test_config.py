@@ -106,6 +106,22 @@ Middle:
     assert embedded_in(cfgs, "Front") == ["Middle"] and embedded_in(cfgs, "Back") == []
 
 
+def test_a_component_called_through_an_embedded_one_may_be_embedded_too(tmp_path: Path
+                                                                       ) -> None:
+    """The whole chain in the host's processes (the agg graph in the Frontend's, as
+    vLLM's own server runs)."""
+    cfgs = resolve_config(pipeline, write(tmp_path, """
+Front:
+  ServiceArgs: {workers: 2}
+Middle:
+  ServiceArgs: {embed-in: Front}
+Back:
+  ServiceArgs: {embed-in: Front}
+"""))
+    assert embedded_in(cfgs, "Front") == ["Middle", "Back"]
+    assert cfgs["Back"].service_args.workers == 2
+
+
 @pytest.mark.parametrize(("section", "match"), [
     ("Middle:\n  ServiceArgs: {embed-in: Nope}", "'Nope' is not another component"),
     ("Middle:\n  ServiceArgs: {embed-in: Middle}", "'Middle' is not another component"),
@@ -113,9 +129,15 @@ Middle:
     ("Back:\n  ServiceArgs: {embed-in: Middle}\nMiddle:\n  ServiceArgs: {embed-in: Front}",
      "Middle is itself embedded"),
     ("Middle:\n  ServiceArgs: {embed-in: Front, workers: 2}", "set Front's workers instead"),
+    ("Back:\n  ServiceArgs: {embed-in: Front}",  # Front calls Back only through Middle
+     "Front does not call Back"),
+    ("Middle:\n  ServiceArgs: {embed-in: Front, env: {A: '1'}}", "set Front's env instead"),
+    ("Middle:\n  ServiceArgs: {embed-in: Front, resources: {gpu: 1}}",  # devices per process
+     "set Front's resources instead"),
 ])
 def test_embedding_is_refused_naming_the_key(tmp_path: Path, section: str, match: str) -> None:
     with pytest.raises(ConfigError, match=match) as info:
         resolve_config(pipeline, write(tmp_path, section))
-    assert info.value.key in ("ServiceArgs.embed-in", "ServiceArgs.workers")
+    assert info.value.key in ("ServiceArgs.embed-in", "ServiceArgs.workers", "ServiceArgs.env",
+                              "ServiceArgs.resources")
     assert "graph.yaml" in str(info.value)
