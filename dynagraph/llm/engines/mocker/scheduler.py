@@ -308,6 +308,7 @@ class Scheduler:
         """What the step computes, for the profile: prefill tokens (and their cached
         context), decode sequences (and their context). Before ``_advance``."""
         p_tokens = p_weighted = d_seqs = d_context = 0
+        chunks: list[tuple[int, int]] = []
         for rid, n in scheduled.items():
             seq = self.requests[rid]
             computed = seq.num_computed_tokens
@@ -317,7 +318,9 @@ class Scheduler:
             else:
                 p_tokens += n
                 p_weighted += n * computed
-        return StepWork(p_tokens, p_weighted, d_seqs, d_context)
+                chunks.append((n, computed))
+        return StepWork(p_tokens, p_weighted, d_seqs, d_context,
+                        tuple(chunks) if len(chunks) > 1 else ())  # one: the totals say it
 
     def _advance(self, scheduled: dict[str, int]) -> list[Delta]:
         """The forward pass's effect: computed tokens move on, new tokens are sampled."""

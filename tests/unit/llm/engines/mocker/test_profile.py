@@ -108,6 +108,31 @@ def test_several_prefill_chunks_price_as_one_at_their_token_weighted_cached_mean
     assert profile.step_seconds(work) == pytest.approx(f_prefill(400, 300))
 
 
+def test_chunks_of_several_sequences_each_pay_their_own_row_and_one_pass(
+    profile: Profile,
+) -> None:
+    chunks = ((100, 0), (300, 400))
+    work = StepWork(prefill_tokens=400, prefill_weighted_cached=300 * 400,
+                    prefill_chunks=chunks)
+    each = f_prefill(100, 0), f_prefill(300, 400)
+    shared = min(profile.overhead_seconds, *each)  # a pass's fixed cost, at most a chunk's
+    p = sum(each) - shared
+    assert profile.step_seconds(work) == pytest.approx(p)
+    mixed = StepWork(400, 300 * 400, 8, 4000, chunks)
+    assert profile.step_seconds(mixed) == pytest.approx(
+        p + f_decode(8, 4000) - min(profile.overhead_seconds, p, f_decode(8, 4000)))
+
+
+def test_chunks_pay_less_than_one_sequence_of_their_length_on_the_shipped_profile() -> None:
+    """Attention grows with the square of a sequence's length: four prompts of 512 in one
+    step cost less than one prompt of 2048 (the measured rows say how much)."""
+    p = load_profile("cpu-tiny-avx512-calibrated")
+    one = p.step_seconds(StepWork(prefill_tokens=2048))
+    four = p.step_seconds(StepWork(prefill_tokens=2048, prefill_chunks=((512, 0),) * 4))
+    assert four == pytest.approx(4 * p.prefill_seconds(512, 0) - 3 * p.overhead_seconds)
+    assert four < 0.8 * one
+
+
 def test_explicit_overhead_is_capped_by_the_cheaper_part() -> None:
     p = Profile.model_validate(profile_dict(step_overhead_seconds=1.0))
     work = StepWork(64, 0, 1, 128)

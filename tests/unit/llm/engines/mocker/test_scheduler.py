@@ -325,3 +325,12 @@ def test_admission_needs_room_for_the_whole_prompt(full_isl: bool) -> None:
 def test_token_source_finds_the_few_allowed_ids_of_a_mostly_excluded_vocabulary() -> None:
     source = TokenSource(9, 1000, frozenset(range(1000)) - {417, 8})
     assert {source.next() for _ in range(50)} == {417, 8}
+
+
+def test_a_step_with_several_prefills_names_each_chunk() -> None:
+    s = sched(max_num_batched_tokens=12)
+    s.add(seq("a", prompt(6)))
+    s.add(seq("b", prompt(9, base=300)))
+    r = s.step()
+    assert r.scheduled == {"a": 6, "b": 6}
+    assert r.work == StepWork(prefill_tokens=12, prefill_chunks=((6, 0), (6, 0)))
