@@ -65,11 +65,15 @@ def one_graph(nice: int, requests: int, tokens: int) -> dict[str, Any]:
                 seconds.append(round(time.monotonic() - began, 2))
                 if r.status_code != 200:
                     errors.append(f"{r.status_code}: {r.text[:200]}")
-            lost = sum(LEASE_LOST in line for line in server.lines[ready_at:])
+            served = server.lines[ready_at:]
+            lost = sum(LEASE_LOST in line for line in served)
+            lost_by = sorted({line.split("]")[0].lstrip("[") for line in served
+                              if LEASE_LOST in line})
+            keepalive = [line for line in served if "lease keepalive" in line][:10]
         finally:
             server.stop()
     return {"engine_nice": nice, "request_seconds": seconds, "errors": errors,
-            "leases_lost": lost}
+            "leases_lost": lost, "lost_by": lost_by, "keepalive_log": keepalive}
 
 
 def main() -> int:
@@ -82,14 +86,15 @@ def main() -> int:
     args = ap.parse_args()
     runs = [one_graph(int(n), args.requests, args.tokens)
             for n in args.settings.split(",") for _ in range(args.runs)]
-    rows = [f"| {r['engine_nice']} | {r['leases_lost']} | {len(r['errors'])} | "
-            f"{' / '.join(f'{s:.1f}' for s in r['request_seconds'])} |" for r in runs]
+    rows = [f"| {r['engine_nice']} | {r['leases_lost']} ({', '.join(r['lost_by']) or '-'}) | "
+            f"{len(r['errors'])} | {' / '.join(f'{s:.1f}' for s in r['request_seconds'])} |"
+            for r in runs]
     text = (f"# Engine niceness vs the control plane\n\n`python benchmarks/engine_nice_probe.py "
             f"--settings {args.settings} --runs {args.runs}`: agg graph, engine on core 0, "
             f"{args.requests} x {args.tokens}-token completions with logprobs 5, one at a "
             "time; leases the graph's processes found expired, failed requests, seconds per "
             "request. Provisional (shared 2-core VM).\n\n"
-            "| engine-nice | etcd leases lost | failed requests | seconds per request |\n"
+            "| engine-nice | etcd leases lost (by) | failed requests | seconds per request |\n"
             "|---|---|---|---|\n" + "\n".join(rows) + "\n")
     errors = [e for r in runs for e in r["errors"]]
     if errors:

@@ -45,12 +45,15 @@ from benchmarks.agg_vs_vllm import MODEL_NAME, _env, start_ours, start_vllm  # n
 
 SEPARATE = "--Processor.ServiceArgs.embed-in=null"
 NICE0 = "--VllmWorker.engine-nice=0"
+ONE_PROCESS = "--VllmWorker.ServiceArgs.embed-in=Frontend"
 SYSTEMS = {"ours": (), "ours-separate": (SEPARATE,), "ours-nice0": (NICE0,),
-           "ours-separate-nice0": (SEPARATE, NICE0)}
+           "ours-separate-nice0": (SEPARATE, NICE0), "ours-1proc": (ONE_PROCESS, NICE0),
+           "ours-1proc-nice19": (ONE_PROCESS,)}
 """Our graph's variants: overrides of ``benchmarks/agg_vs_vllm.py``'s agg graph (as
 shipped: the Processor inside the Frontend's process; ``-separate``: in a process of its
 own; ``-nice0``: the engine at the niceness of everything else, as vLLM's server runs it,
-instead of 19)."""
+instead of 19; ``-1proc``: the VllmWorker in the Frontend's process too, engine at
+niceness 0: vLLM's own layout, one API process and the engine core)."""
 
 log = logging.getLogger("bench.vllm_bench_serve")
 
