@@ -65,27 +65,26 @@ def keeper(endpoints: list[tuple[str, int]], events: list[object]) -> LeaseKeepe
                        on_lost=events.append, on_unsupported=events.append)
 
 
-def test_refreshes_the_lease_it_is_given(gateway: Gateway) -> None:
+def refreshed(endpoints: list[tuple[str, int]], times: int) -> list[object]:
+    """Run a keeper until it has refreshed ``times`` times; what it reported."""
     events: list[object] = []
-    k = keeper([gateway.endpoint], events)
+    k = keeper(endpoints, events)
     k.start()
     try:
-        wait_until(lambda: k.refreshes >= 3, 5, "three refreshes", 0.01)
+        wait_until(lambda: k.refreshes >= times, 5, f"{times} refreshes", 0.01)
     finally:
         k.stop(2)
-    assert set(gateway.seen) == {"/v3/lease/keepalive 42"} and events == []
+    return events
+
+
+def test_refreshes_the_lease_it_is_given(gateway: Gateway) -> None:
+    assert refreshed([gateway.endpoint], 3) == []
+    assert set(gateway.seen) == {"/v3/lease/keepalive 42"}
 
 
 def test_a_lost_lease_is_reported_once(gateway: Gateway) -> None:
     gateway.ttl = 0  # etcd leaves TTL out of the reply when the lease is gone
-    events: list[object] = []
-    k = keeper([gateway.endpoint], events)
-    k.start()
-    try:
-        wait_until(lambda: k.refreshes >= 4, 5, "refreshes", 0.01)
-    finally:
-        k.stop(2)
-    assert events == [42]
+    assert refreshed([gateway.endpoint], 4) == [42]
 
 
 def test_an_endpoint_without_the_gateway_is_reported(gateway: Gateway) -> None:
@@ -101,11 +100,4 @@ def test_an_endpoint_without_the_gateway_is_reported(gateway: Gateway) -> None:
 def test_an_endpoint_that_is_down_is_retried_then_the_next_one_used(gateway: Gateway) -> None:
     down = Gateway()  # bound, then closed: its port refuses connections
     down.server_close()
-    events: list[object] = []
-    k = keeper([down.endpoint, gateway.endpoint], events)
-    k.start()
-    try:
-        wait_until(lambda: k.refreshes >= 2, 5, "refreshes through the second endpoint", 0.01)
-    finally:
-        k.stop(2)
-    assert events == []
+    assert refreshed([down.endpoint, gateway.endpoint], 2) == []
