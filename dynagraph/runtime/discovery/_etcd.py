@@ -171,8 +171,9 @@ class EtcdDiscovery(DiscoveryBase):
         loop = asyncio.get_running_loop()
 
         def report(event: int | str) -> None:  # from the keeper's thread
-            if self._keeper is not None and not loop.is_closed():
-                loop.call_soon_threadsafe(self._keeper_events.put_nowait, event)
+            if self._keeper is not None:
+                with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                    loop.call_soon_threadsafe(self._keeper_events.put_nowait, event)
 
         at = self._endpoint_at
         self._keeper = LeaseKeeper(

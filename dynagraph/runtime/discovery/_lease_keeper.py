@@ -104,7 +104,8 @@ class LeaseKeeper:
                     continue
                 if conn is None:
                     host, port = self._endpoints[at]
-                    conn = http.client.HTTPConnection(host, port, timeout=self._timeout)
+                    conn = http.client.HTTPConnection(host.strip("[]"), port,
+                                                      timeout=self._timeout)
                 try:
                     ttl = refresh_lease(conn, lease)
                 except GatewayMissing as e:
