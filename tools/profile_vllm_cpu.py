@@ -72,7 +72,7 @@ from tools.cpu_priority import boost
 log = logging.getLogger("profile_vllm_cpu")
 
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_OUT = REPO / "dynagraph" / "llm" / "engines" / "mocker" / "profiles" / "cpu-tiny.json"
+PROFILES_DIR = REPO / "dynagraph" / "llm" / "engines" / "mocker" / "profiles"
 FIRST_TOKEN_ID = 5  # tiny-llama's special tokens are 0..4
 
 PREFILL_NEW = [1, 32, 128, 512, 1024, 2048, 4000]
@@ -387,7 +387,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=str(REPO / "models" / "tiny-llama"))
     ap.add_argument("--name", default="cpu-tiny")
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--out", type=Path,
+                    help="where to write it (default: the shipped profiles, NAME.json)")
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--decode-steps", type=int, default=4)
@@ -459,9 +460,10 @@ def main(argv: list[str] | None = None) -> int:
         **tables,
     }
     Profile.model_validate(profile)  # refuse to write a profile the mocker cannot load
-    ns.out.parent.mkdir(parents=True, exist_ok=True)
-    ns.out.write_text(format_json(profile))
-    log.info("wrote %s in %.0f s", ns.out, elapsed)
+    out = ns.out or PROFILES_DIR / f"{ns.name}.json"  # --name alone once overwrote cpu-tiny
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(format_json(profile))
+    log.info("wrote %s in %.0f s", out, elapsed)
     return 0
 
 
