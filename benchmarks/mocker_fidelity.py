@@ -79,6 +79,9 @@ def _args() -> argparse.Namespace:
                    help="longest wait for --calm-load per block, seconds")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--name", default="mocker_fidelity")
+    p.add_argument("--vllm-arg", action="append", default=[], metavar="OVERRIDE",
+                   help="a dynamo serve override for the vLLM graph, e.g. "
+                        "--vllm-arg=--VllmWorker.engine-nice=0 (repeatable)")
     p.add_argument("--profile", default="cpu-tiny",
                    help="the MockerWorker's profile: a shipped name or a JSON path "
                         "(e.g. one from tools.profile_vllm_cpu --as-served graph)")
@@ -158,7 +161,8 @@ def markdown(result: dict[str, Any]) -> str:
         f"# Mocker ({a.get('profile', 'cpu-tiny')}) against vLLM on the same load",
         "",
         f"`python benchmarks/mocker_fidelity.py --rounds {a['rounds']} --levels {a['levels']}"
-        f"{'' if a.get('profile', 'cpu-tiny') == 'cpu-tiny' else ' --profile ' + a['profile']}` "
+        f"{'' if a.get('profile', 'cpu-tiny') == 'cpu-tiny' else ' --profile ' + a['profile']}"
+        f"{''.join(f' --vllm-arg={v}' for v in a.get('vllm_arg', []))}` "
         "(graphs.agg on vLLM vs graphs.mocker_agg, both served with `dynamo serve`, both up, "
         f"driven one at a time, order alternating). Prompts of {a['prompts']} random tokens "
         f"in turn, {a['output']} output tokens (ignore_eos), {a['per_level']} x concurrency "
@@ -203,7 +207,7 @@ def main() -> int:
     args = _args()
     model_dir = ensure_model(REPO / "models" / "tiny-llama")
     with contextlib.ExitStack() as stack:
-        overrides = {"vllm": [], "mocker": [f"--MockerWorker.profile={args.profile}"]}
+        overrides = {"vllm": args.vllm_arg, "mocker": [f"--MockerWorker.profile={args.profile}"]}
         graphs = {name: stack.enter_context(serve_graph(
             target, config, [f"--Common.model={model_dir}", *overrides[name]], env=engine_env()))
             for name, (target, config) in GRAPHS.items()}
