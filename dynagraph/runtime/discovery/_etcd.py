@@ -188,10 +188,13 @@ class EtcdDiscovery(DiscoveryBase):
         lost: int | None = None
         backoff = BACKOFF_START
         while True:
+            event: int | str | None = None
             if lost is None and not self._reput_pending:
-                event: int | str | None = await self._keeper_events.get()
-            else:  # a restore to retry: take news without waiting for it
-                event = None if self._keeper_events.empty() else self._keeper_events.get_nowait()
+                # (a put that re-granted may leave keys to put again: look every interval)
+                with contextlib.suppress(TimeoutError):
+                    event = await asyncio.wait_for(self._keeper_events.get(), self.lease_ttl / 3)
+            elif not self._keeper_events.empty():  # a restore to retry: news without waiting
+                event = self._keeper_events.get_nowait()
             if isinstance(event, str):
                 log.warning("etcd's JSON gateway is not available (%s); refreshing the lease "
                             "on the event loop through gRPC", event)
