@@ -53,12 +53,14 @@ def refresh_lease(conn: http.client.HTTPConnection, lease: int) -> int:
     if resp.status != 200:
         raise http.client.HTTPException(f"HTTP {resp.status}: {raw[:200]!r}")
     try:
-        result = json.loads(raw.splitlines()[0])["result"]
-    except (ValueError, IndexError, KeyError, TypeError) as e:
+        reply = json.loads(raw.splitlines()[0])
+    except (ValueError, IndexError) as e:
         raise GatewayMissing(f"not an etcd keepalive reply: {raw[:200]!r}") from e
-    if "error" in result:
-        raise http.client.HTTPException(f"etcd: {result['error']}")
-    return int(result.get("TTL", 0))  # absent (protobuf's zero) when the lease is gone
+    if isinstance(reply, dict) and "error" in reply:  # a stream's error: etcd is there
+        raise http.client.HTTPException(f"etcd: {reply['error']}")
+    if not isinstance(reply, dict) or not isinstance(reply.get("result"), dict):
+        raise GatewayMissing(f"not an etcd keepalive reply: {raw[:200]!r}")
+    return int(reply["result"].get("TTL", 0))  # absent (protobuf's zero): the lease is gone
 
 
 class LeaseKeeper:

@@ -22,6 +22,7 @@ class Gateway(ThreadingHTTPServer):
         super().__init__(("127.0.0.1", 0), _Handler)
         self.ttl = 3
         self.status = 200
+        self.error_replies = 0  # replies that are a stream error, as etcd sends when busy
         self.seen: list[str] = []
 
     @property
@@ -39,7 +40,11 @@ class _Handler(BaseHTTPRequestHandler):
         result: dict[str, str] = {"ID": body["ID"]}
         if self.server.ttl:
             result["TTL"] = str(self.server.ttl)
-        raw = json.dumps({"result": result}).encode() + b"\n"
+        reply: dict[str, object] = {"result": result}
+        if self.server.error_replies:
+            self.server.error_replies -= 1
+            reply = {"error": {"grpc_code": 14, "message": "etcdserver: request timed out"}}
+        raw = json.dumps(reply).encode() + b"\n"
         self.send_response(self.server.status)
         self.send_header("Content-Length", str(len(raw)))
         self.end_headers()
@@ -101,3 +106,9 @@ def test_an_endpoint_that_is_down_is_retried_then_the_next_one_used(gateway: Gat
     down = Gateway()  # bound, then closed: its port refuses connections
     down.server_close()
     assert refreshed([down.endpoint, gateway.endpoint], 2) == []
+
+
+def test_an_error_reply_is_retried_not_taken_for_a_missing_gateway(gateway: Gateway) -> None:
+    gateway.error_replies = 2
+    assert refreshed([gateway.endpoint], 2) == []
+    assert gateway.error_replies == 0
