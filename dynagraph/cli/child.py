@@ -35,10 +35,9 @@ from dynagraph.errors import ConfigError, InfraError
 from dynagraph.observability.task_dump import install_task_dump
 from dynagraph.runtime.addresses import host_from_env, publish_guard
 from dynagraph.runtime.discovery import discovery_from_env
-from dynagraph.sdk._config import instances_per_process
-from dynagraph.sdk._graph import Graph, resolve_target
+from dynagraph.sdk._config import callees_first, instances_per_process
+from dynagraph.sdk._graph import resolve_target
 from dynagraph.sdk._process import ProcessInstances
-from dynagraph.sdk._service import spec_of
 
 log = logging.getLogger("dynagraph.child")
 
@@ -127,24 +126,6 @@ async def run(spec: dict[str, Any], component: str, index: int) -> int:
         for part in reversed(started):
             await part.stop()
     return 0
-
-
-def callees_first(graph: Graph, names: list[str]) -> list[str]:
-    """``names`` ordered so that a component comes after every one of them it calls."""
-    done: list[str] = []
-
-    def visit(name: str, path: tuple[str, ...]) -> None:
-        if name in done or name in path:
-            return
-        for callee in graph.edges(graph.by_name(name)).values():
-            callee_name = None if callee is None else spec_of(callee).name
-            if callee_name in names:
-                visit(callee_name, (*path, name))
-        done.append(name)
-
-    for name in names:
-        visit(name, ())
-    return done
 
 
 def cache_vllm_envs() -> None:

@@ -213,6 +213,24 @@ def _check_embedding(graph: Graph, configs: dict[str, ComponentConfig], file: st
             update={"workers": configs[host].service_args.workers})
 
 
+def callees_first(graph: Graph, names: list[str]) -> list[str]:
+    """``names`` ordered so that a component comes after every one of them it calls."""
+    done: list[str] = []
+
+    def visit(name: str, path: tuple[str, ...]) -> None:
+        if name in done or name in path:
+            return
+        for callee in graph.edges(graph.by_name(name)).values():
+            callee_name = None if callee is None else spec_of(callee).name
+            if callee_name in names:
+                visit(callee_name, (*path, name))
+        done.append(name)
+
+    for name in names:
+        visit(name, ())
+    return done
+
+
 def _calls_within(graph: Graph, configs: Mapping[str, ComponentConfig], host: str,
                   name: str) -> bool:
     """Whether ``host`` calls ``name`` directly or through components embedded in it."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dynagraph.cli.child import callees_first
+from dynagraph.sdk._config import callees_first
 from tests.unit.sdk.example_components import pipeline
 
 
