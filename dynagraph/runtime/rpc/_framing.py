@@ -13,8 +13,11 @@ is an array whose first element is the frame kind:
 A connection carries one stream at a time: REQUEST, then ALIVE (the request was taken:
 its handler starts), ITEM* (with ALIVE heartbeats while the handler is quiet), then END
 or ERROR.
-CANCEL may be sent by the caller at any point of a stream, after which the caller
-closes the connection. Payloads are anything msgpack encodes; pydantic models are
+CANCEL may be sent by the caller at any point of a stream. The callee cancels the
+handler and, once it is gone, ends the stream with END (ERROR if the handler raised
+something else on its way out); a CANCEL that crossed the stream's END or ERROR is
+ignored. Either way exactly one terminal frame follows, so the caller reads up to it
+and reuses the connection (or closes it instead of waiting). Payloads are anything msgpack encodes; pydantic models are
 encoded as ``model_dump(mode="python")`` and arrive as plain dicts. No pickle.
 """
 

@@ -214,6 +214,7 @@ class _ServerConnection(asyncio.Protocol):
         self._closed = False
         self.task: asyncio.Task[None] | None = None
         self._ctx: RequestContext | None = None
+        self._answer_cancel = False  # the caller's CANCEL: end the stream with END
         self._sent = False  # anything written since the last heartbeat tick
 
     # -- asyncio.Protocol callbacks ---------------------------------------------------
@@ -233,7 +234,9 @@ class _ServerConnection(asyncio.Protocol):
                 if kind == REQUEST and self.task is None:
                     self._start_stream(frame)
                 elif kind == CANCEL:
-                    self.cancel_stream()  # a CANCEL that crossed our END is harmless
+                    # answered with END once the handler is gone (the caller then reuses
+                    # the connection); a CANCEL that crossed our END or ERROR is ignored
+                    self.cancel_stream(answer=True)
                 else:
                     raise ProtocolError(f"unexpected frame kind {kind!r} "
                                         f"(stream active: {self.task is not None})")
@@ -303,7 +306,11 @@ class _ServerConnection(asyncio.Protocol):
                         await self._wait_drain()
         except asyncio.CancelledError:
             log.debug("request %s on %s cancelled", ctx.request_id, ctx.endpoint)
+            answer = self._answer_cancel
             self._end_stream()
+            if answer:  # only to the caller's CANCEL: after a server stop, END would lie
+                self._write(self._encoder.end())
+                self._flush()
             raise
         except Exception as exc:  # the handler's error goes to the caller, typed
             self._server.log_handler_error(ctx, exc)
@@ -321,20 +328,23 @@ class _ServerConnection(asyncio.Protocol):
         # next REQUEST on this connection as soon as it reads END.
         self.task = None
         self._ctx = None
+        self._answer_cancel = False
 
     @property
     def endpoint(self) -> str | None:
         """The endpoint of the stream running on this connection, if any."""
         return self._ctx.endpoint if self._ctx is not None else None
 
-    def cancel_stream(self) -> None:
-        """Cancel the running handler, if any (caller cancelled, left, or server stops).
+    def cancel_stream(self, *, answer: bool = False) -> None:
+        """Cancel the running handler, if any (caller cancelled, left, or server stops);
+        ``answer`` (the caller's CANCEL frame): send END once the handler is gone.
 
-        Only once: a CANCEL frame is usually followed by the caller closing the
-        connection, and a second cancel would interrupt the handler's own clean-up.
+        Only once: a second cancel (the caller giving up on the answer and closing)
+        would interrupt the handler's own clean-up.
         """
         if self.task is not None and self._ctx is not None and not self._ctx.cancelled:
             self._ctx.cancelled = True
+            self._answer_cancel = answer
             self.task.cancel()
 
     # -- output -----------------------------------------------------------------------

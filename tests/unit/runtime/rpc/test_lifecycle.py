@@ -87,6 +87,46 @@ async def test_aclose_cancels_the_remote_handler(
         await anext(stream)
 
 
+async def test_a_cancelled_stream_gives_its_connection_back(
+        slow_server: tuple[RpcServer, Slow], client: RpcClient) -> None:
+    """CANCEL is answered with END once the handler is gone, so the connection is pooled
+    again (closing it cost a TCP connect per Processor request on the Router's hop)."""
+    srv, slow = slow_server
+    peers = []
+    for _ in range(3):
+        slow.waiting.clear()
+        slow.cancelled_at = None
+        stream = client.call(srv.address, "slow", None)
+        assert await anext(stream) == "first"
+        await asyncio.wait_for(slow.waiting.wait(), 1.0)
+        assert slow.ctx is not None
+        peers.append(slow.ctx.peer)
+        await stream.aclose()
+        await assert_cancelled_promptly(slow)
+        await until(lambda: bool(client._idle.get(srv.address)), within=1.0)
+    assert len(set(peers)) == 1
+
+
+async def test_a_handler_that_outlives_the_cancel_drain_loses_its_connection(
+        client: RpcClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("dynagraph.runtime.rpc._client.CANCEL_DRAIN_S", 0.2)
+    release = asyncio.Event()
+
+    async def stubborn(payload: Any, ctx: RequestContext) -> AsyncIterator[str]:
+        yield "first"
+        while not release.is_set():
+            with contextlib.suppress(asyncio.CancelledError):
+                await release.wait()
+
+    async with serving("stubborn", stubborn) as srv:
+        stream = client.call(srv.address, "stubborn", None)
+        assert await anext(stream) == "first"
+        await stream.aclose()
+        await until(lambda: not client._connections, within=2.0)  # closed, not pooled
+        assert not client._idle.get(srv.address)
+        release.set()
+
+
 async def test_cancelling_the_callers_task_cancels_the_remote_handler(
         slow_server: tuple[RpcServer, Slow], client: RpcClient) -> None:
     srv, slow = slow_server
