@@ -104,19 +104,29 @@ class EtcdDiscovery(DiscoveryBase):
         log.info("etcd discovery started: instance %x, lease ttl %ds", lease.id, self.lease_ttl)
 
     async def _connect(self) -> aetcd.Client:
-        errors = []
-        for at, (host, port) in enumerate(self.endpoints):
-            client = aetcd.Client(host, port, timeout=self.op_timeout, options=GRPC_OPTIONS)
-            try:
-                await asyncio.wait_for(client.status(), self.op_timeout)
-                self._endpoint_at = at
-                return client
-            except ETCD_ERRORS as e:
-                errors.append(f"{host}:{port}: {e!r}")
-                await client.close()
-        raise DiscoveryError(
-            f"cannot reach etcd ({'; '.join(errors)}); start etcd or set ETCD_ENDPOINTS"
-        )
+        """The first endpoint that answers, trying them in turn (with backoff) for up to
+        ``op_timeout``: gRPC gives up on one connection attempt after about a second when
+        etcd is busy (256 engines of one graph connecting at once), and one such attempt
+        failed a worker's start."""
+        deadline = time.monotonic() + self.op_timeout
+        backoff = BACKOFF_START
+        while True:
+            errors = []
+            for at, (host, port) in enumerate(self.endpoints):
+                client = aetcd.Client(host, port, timeout=self.op_timeout, options=GRPC_OPTIONS)
+                try:
+                    remaining = max(deadline - time.monotonic(), 0.05)
+                    await asyncio.wait_for(client.status(), remaining)
+                    self._endpoint_at = at
+                    return client
+                except ETCD_ERRORS as e:
+                    errors.append(f"{host}:{port}: {e!r}")
+                    await client.close()
+            if time.monotonic() + backoff >= deadline:
+                raise DiscoveryError(f"cannot reach etcd ({'; '.join(errors)}); start etcd or "
+                                     "set ETCD_ENDPOINTS")
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, BACKOFF_MAX)
 
     async def close(self) -> None:
         keeper, self._keeper = self._keeper, None

@@ -161,6 +161,22 @@ async def test_a_blocked_event_loop_keeps_the_lease(etcd_url: str) -> None:
         assert (worker.lease_id, worker.lease_grants) == (lease, 1)
 
 
+async def test_start_waits_out_an_etcd_that_does_not_answer_yet(own_etcd: LocalService) -> None:
+    """gRPC gives up on one connection attempt after about a second when etcd does not
+    answer (256 engines connecting at once did that): start retries until op_timeout."""
+    os.kill(own_etcd.proc.pid, signal.SIGSTOP)
+    loop = asyncio.get_running_loop()
+    resume = loop.call_later(2.0, os.kill, own_etcd.proc.pid, signal.SIGCONT)
+    disc = EtcdDiscovery(own_etcd.url, lease_ttl=TTL, op_timeout=8.0)
+    try:
+        await disc.start()
+        assert disc.lease_id is not None
+    finally:
+        resume.cancel()
+        os.kill(own_etcd.proc.pid, signal.SIGCONT)
+        await disc.close()
+
+
 async def test_etcd_restart_loses_no_registration_or_event(own_etcd: LocalService) -> None:
     url = own_etcd.url
     async with discs(url, 3) as (a, b, watcher):
