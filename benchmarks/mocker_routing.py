@@ -140,10 +140,16 @@ async def run_mode(url: str, disc: EtcdDiscovery, args: argparse.Namespace, mode
     await asyncio.sleep(0.5)  # the Router's watch applies it within milliseconds
     before = await _settled(disc)
     first = await run_load(f"{url}/v1/completions", _bodies(firsts, args.output), concurrency)
-    cpu0 = _cpu_seconds(pid)
+    cpu0 = process_tree_cpu(pid)
     repeat = await run_load(f"{url}/v1/completions", _bodies(repeats, args.output),
                             concurrency)
-    graph_cores = (_cpu_seconds(pid) - cpu0) / repeat["wall_s"]
+    cpu1 = process_tree_cpu(pid)
+    graph_cores = (sum(cpu1.values()) - sum(cpu0.values())) / repeat["wall_s"]
+    per_request: dict[str, float] = {}  # CPU ms per repeat, per component
+    for key, t in cpu1.items():
+        name = key.rsplit(":", 1)[0]
+        per_request[name] = per_request.get(name, 0.0) + (t - cpu0.get(key, 0.0)) * 1e3 / len(
+            repeats)
     after = await _settled(disc)
     q, h = (sum(after[w][n] - before.get(w, {}).get(n, 0.0) for w in after) for n in COUNTERS)
     served = sum(1 for w in after if after[w][COUNTERS[0]] > before.get(w, {}).get(COUNTERS[0], 0))
@@ -153,6 +159,7 @@ async def run_mode(url: str, disc: EtcdDiscovery, args: argparse.Namespace, mode
         "mode": mode, "concurrency": concurrency, "hit_rate": rate, "ideal_hit_rate": ideal,
         "calm_wait_s": calm_s, "loadavg_before": load,
         "repeat_graph_cores": graph_cores,
+        "repeat_cpu_ms_per_request": {k: round(v, 2) for k, v in sorted(per_request.items())},
         "hit_rate_vs_ideal": rate / ideal if ideal else 0.0,
         "prompt_tokens": q, "cached_tokens": h, "engines_used": served,
         "first_ttft_ms": first["ttft_ms"], "repeat_ttft_ms": repeat["ttft_ms"],
@@ -162,11 +169,6 @@ async def run_mode(url: str, disc: EtcdDiscovery, args: argparse.Namespace, mode
         "wall_s": first["wall_s"] + repeat["wall_s"],
         "requests": first["requests"] + repeat["requests"],
     }
-
-
-def _cpu_seconds(pid: int) -> float:
-    """CPU seconds used so far by ``pid`` and its descendants (the served graph)."""
-    return sum(process_tree_cpu(pid).values())
 
 
 def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -219,6 +221,13 @@ def markdown(result: dict[str, Any]) -> str:
             f"{r['ideal_hit_rate']:.3f} | {r['hit_rate_vs_ideal']:.3f} | {r['engines_used']} | "
             f"{r['repeat_graph_cores']:.2f} | {r['loadavg_before']:.1f} | {r['errors']} | "
             f"{r['wall_s']:.1f} |")
+    lines += ["", "CPU ms per repeat request, per component (all its processes), during the "
+              "repeats:", ""]
+    for r in result["runs"]:
+        cpu = r.get("repeat_cpu_ms_per_request", {})
+        lines.append(f"- w{r['overlap_weight']:g} c{r['concurrency']} {r['mode']}: "
+                     + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items())
+                     + f" (total {sum(cpu.values()):.2f})")
     for key, v in s.items():
         w, c = key.split("/")
         lines += ["", f"Overlap-weight {w[1:]}, concurrency {c[1:]}: kv mean repeat TTFT / random = "
