@@ -31,7 +31,7 @@ from dynagraph.runtime.discovery._etcd_mirror import (
     RETRYABLE,
     PrefixMirror,
 )
-from dynagraph.runtime.discovery._lease_keeper import LeaseKeeper
+from dynagraph.runtime.discovery._lease_keeper import join_keeper
 from dynagraph.runtime.discovery._types import decode, encode, is_undecodable
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ class EtcdDiscovery(DiscoveryBase):
         self._reput_pending = False
         self._lease_lock = asyncio.Lock()
         self._keepalive_task: asyncio.Task[None] | None = None
-        self._keeper: LeaseKeeper | None = None
+        self._leave_keeper: Callable[[float | None], None] | None = None
         self._keeper_events: asyncio.Queue[int | str] = asyncio.Queue()
         self._endpoint_at = 0  # the endpoint connected to
         self._mirrors: set[PrefixMirror] = set()
@@ -129,9 +129,9 @@ class EtcdDiscovery(DiscoveryBase):
             backoff = min(backoff * 2, BACKOFF_MAX)
 
     async def close(self) -> None:
-        keeper, self._keeper = self._keeper, None
-        if keeper is not None:
-            await asyncio.to_thread(keeper.stop, self.op_timeout)
+        leave, self._leave_keeper = self._leave_keeper, None
+        if leave is not None:
+            await asyncio.to_thread(leave, self.op_timeout)
         task, self._keepalive_task = self._keepalive_task, None
         if task is not None:
             task.cancel()
@@ -181,16 +181,15 @@ class EtcdDiscovery(DiscoveryBase):
         loop = asyncio.get_running_loop()
 
         def report(event: int | str) -> None:  # from the keeper's thread
-            if self._keeper is not None:
+            if self._leave_keeper is not None:
                 with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
                     loop.call_soon_threadsafe(self._keeper_events.put_nowait, event)
 
         at = self._endpoint_at
-        self._keeper = LeaseKeeper(
+        self._leave_keeper = join_keeper(
             [*self.endpoints[at:], *self.endpoints[:at]], interval=self.lease_ttl / 3,
             timeout=self.op_timeout, lease=lambda: self._lease_id, on_lost=report,
             on_unsupported=report)
-        self._keeper.start()
 
     async def _keepalive(self) -> None:
         """Restores what the keeper reports lost (a new lease, the keys put again); where
@@ -208,7 +207,9 @@ class EtcdDiscovery(DiscoveryBase):
             if isinstance(event, str):
                 log.warning("etcd's JSON gateway is not available (%s); refreshing the lease "
                             "on the event loop through gRPC", event)
-                self._keeper = None
+                leave, self._leave_keeper = self._leave_keeper, None
+                if leave is not None:
+                    leave(0)
                 await self._refresh_on_loop()
                 return
             if event is not None:

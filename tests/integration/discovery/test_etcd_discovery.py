@@ -152,13 +152,15 @@ async def test_lost_lease_is_regranted_keeping_instance_id(etcd_url: str) -> Non
 
 async def test_a_blocked_event_loop_keeps_the_lease(etcd_url: str) -> None:
     """The keepalive runs on a thread of its own: a loop stuck for 3 TTLs (a busy
-    Frontend's, say) loses nothing."""
-    async with discs(etcd_url, 1) as (worker,):
-        await worker.put("/itest6/k", 1, lease=True)
-        lease = worker.lease_id
+    Frontend's, say) loses nothing. Three discoveries of one process (engines of one
+    worker process) share that thread, and one request per refresh."""
+    async with discs(etcd_url, 3) as workers:
+        for i, w in enumerate(workers):
+            await w.put(f"/itest6/k{i}", i, lease=True)
+        leases = [w.lease_id for w in workers]
         time.sleep(3 * TTL)  # noqa: ASYNC251 - blocking the loop is the point
-        assert await worker.get("/itest6/k") == 1
-        assert (worker.lease_id, worker.lease_grants) == (lease, 1)
+        assert [await workers[0].get(f"/itest6/k{i}") for i in range(3)] == [0, 1, 2]
+        assert [(w.lease_id, w.lease_grants) for w in workers] == [(x, 1) for x in leases]
 
 
 async def test_start_waits_out_an_etcd_that_does_not_answer_yet(own_etcd: LocalService) -> None:

@@ -11,7 +11,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from dynagraph.runtime.discovery._lease_keeper import LeaseKeeper
+from dynagraph.runtime.discovery import _lease_keeper
+from dynagraph.runtime.discovery._lease_keeper import LeaseKeeper, join_keeper
 from tests.support.poll import wait_until
 
 
@@ -24,6 +25,9 @@ class Gateway(ThreadingHTTPServer):
         self.status = 200
         self.error_replies = 0  # replies that are a stream error, as etcd sends when busy
         self.seen: list[str] = []
+        self.gone: set[str] = set()  # lease ids answered as no longer existing
+        self.requests = 0
+        self.cut_after: int | None = None  # reply lines sent at most (etcd's early end)
 
     @property
     def endpoint(self) -> tuple[str, int]:
@@ -35,16 +39,21 @@ class _Handler(BaseHTTPRequestHandler):
     server: Gateway
 
     def do_POST(self) -> None:  # noqa: N802 - http.server's name
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        self.server.seen.append(f"{self.path} {body['ID']}")
-        result: dict[str, str] = {"ID": body["ID"]}
-        if self.server.ttl:
-            result["TTL"] = str(self.server.ttl)
-        reply: dict[str, object] = {"result": result}
-        if self.server.error_replies:
-            self.server.error_replies -= 1
-            reply = {"error": {"grpc_code": 14, "message": "etcdserver: request timed out"}}
-        raw = json.dumps(reply).encode() + b"\n"
+        # the keepalive stream: one JSON request per line, one reply line each
+        raw = b""
+        self.server.requests += 1
+        lines = self.rfile.read(int(self.headers["Content-Length"])).splitlines()
+        for line in lines[:self.server.cut_after]:
+            body = json.loads(line)
+            self.server.seen.append(f"{self.path} {body['ID']}")
+            result: dict[str, str] = {"ID": body["ID"]}
+            if self.server.ttl and body["ID"] not in self.server.gone:
+                result["TTL"] = str(self.server.ttl)
+            reply: dict[str, object] = {"result": result}
+            if self.server.error_replies:
+                self.server.error_replies -= 1
+                reply = {"error": {"grpc_code": 14, "message": "etcdserver: request timed out"}}
+            raw += json.dumps(reply).encode() + b"\n"
         self.send_response(self.server.status)
         self.send_header("Content-Length", str(len(raw)))
         self.end_headers()
@@ -66,8 +75,9 @@ def gateway() -> Iterator[Gateway]:
 
 
 def keeper(endpoints: list[tuple[str, int]], events: list[object]) -> LeaseKeeper:
-    return LeaseKeeper(endpoints, interval=0.02, timeout=1.0, lease=lambda: 42,
-                       on_lost=events.append, on_unsupported=events.append)
+    k = LeaseKeeper(endpoints, interval=0.02, timeout=1.0)
+    k.add(lambda: 42, on_lost=events.append, on_unsupported=events.append)
+    return k
 
 
 def refreshed(endpoints: list[tuple[str, int]], times: int) -> list[object]:
@@ -112,3 +122,48 @@ def test_an_error_reply_is_retried_not_taken_for_a_missing_gateway(gateway: Gate
     gateway.error_replies = 2
     assert refreshed([gateway.endpoint], 2) == []
     assert gateway.error_replies == 0
+
+
+def test_every_lease_of_the_process_is_refreshed_in_one_request(gateway: Gateway) -> None:
+    lost: dict[int, list[int]] = {1: [], 2: [], 3: []}
+    leave = [join_keeper([gateway.endpoint], interval=0.02, timeout=1.0, lease=lambda i=i: i,
+                         on_lost=lost[i].append, on_unsupported=lost[i].append)
+             for i in lost]
+    try:
+        assert len(_lease_keeper._shared) == 1  # one thread for all three
+        gateway.gone = {"2"}
+        wait_until(lambda: gateway.requests >= 4, 5, "4 refreshes", 0.01)
+        assert {s.split()[1] for s in gateway.seen} == {"1", "2", "3"}
+        assert len(gateway.seen) >= 3 * (gateway.requests - 1)  # all leases, every time
+        assert lost == {1: [], 2: [2], 3: []}  # only its holder hears, once
+    finally:
+        for f in leave:
+            f(2)
+    assert not _lease_keeper._shared  # the last one out stopped the thread
+
+
+def test_leases_a_cut_short_reply_left_out_are_asked_for_again(gateway: Gateway) -> None:
+    gateway.cut_after = 2  # etcd's gateway ends its reply when the request stream ends
+    events: list[object] = []
+    k = LeaseKeeper([gateway.endpoint], interval=0.02, timeout=1.0)
+    for i in range(5):
+        k.add(lambda i=i: i, on_lost=events.append, on_unsupported=events.append)
+    k.start()
+    try:
+        wait_until(lambda: k.refreshes >= 2, 5, "2 refreshes", 0.01)
+    finally:
+        k.stop(2)
+    assert events == []
+    assert {s.split()[1] for s in gateway.seen} == {"0", "1", "2", "3", "4"}
+
+
+def test_a_member_joining_after_the_gateway_proved_missing_is_told(gateway: Gateway) -> None:
+    gateway.status = 404
+    events: list[object] = []
+    k = keeper([gateway.endpoint], events)
+    k.start()
+    wait_until(lambda: bool(events), 5, "the report", 0.01)
+    late: list[object] = []
+    k.add(lambda: 7, on_lost=late.append, on_unsupported=late.append)
+    k.stop(2)
+    assert len(late) == 1 and "HTTP 404" in str(late[0])
