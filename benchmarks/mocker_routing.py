@@ -141,9 +141,11 @@ async def run_mode(url: str, disc: EtcdDiscovery, args: argparse.Namespace, mode
     before = await _settled(disc)
     first = await run_load(f"{url}/v1/completions", _bodies(firsts, args.output), concurrency)
     cpu0 = process_tree_cpu(pid)
+    client0 = time.process_time()
     repeat = await run_load(f"{url}/v1/completions", _bodies(repeats, args.output),
                             concurrency)
     cpu1 = process_tree_cpu(pid)
+    client_ms = (time.process_time() - client0) * 1e3 / len(repeats)
     graph_cores = (sum(cpu1.values()) - sum(cpu0.values())) / repeat["wall_s"]
     per_request: dict[str, float] = {}  # CPU ms per repeat, per component
     for key, t in cpu1.items():
@@ -160,6 +162,7 @@ async def run_mode(url: str, disc: EtcdDiscovery, args: argparse.Namespace, mode
         "calm_wait_s": calm_s, "loadavg_before": load,
         "repeat_graph_cores": graph_cores,
         "repeat_cpu_ms_per_request": {k: round(v, 2) for k, v in sorted(per_request.items())},
+        "repeat_client_cpu_ms_per_request": round(client_ms, 2),
         "hit_rate_vs_ideal": rate / ideal if ideal else 0.0,
         "prompt_tokens": q, "cached_tokens": h, "engines_used": served,
         "first_ttft_ms": first["ttft_ms"], "repeat_ttft_ms": repeat["ttft_ms"],
@@ -227,7 +230,8 @@ def markdown(result: dict[str, Any]) -> str:
         cpu = r.get("repeat_cpu_ms_per_request", {})
         lines.append(f"- w{r['overlap_weight']:g} c{r['concurrency']} {r['mode']}: "
                      + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items())
-                     + f" (total {sum(cpu.values()):.2f})")
+                     + f" (total {sum(cpu.values()):.2f}); the benchmark's client "
+                     + f"{r.get('repeat_client_cpu_ms_per_request', float('nan')):.2f}")
     for key, v in s.items():
         w, c = key.split("/")
         lines += ["", f"Overlap-weight {w[1:]}, concurrency {c[1:]}: kv mean repeat TTFT / random = "

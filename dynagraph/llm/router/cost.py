@@ -225,15 +225,28 @@ def choose_worker(
     use_cache = mode is RouterMode.KV
     if cost_model is CostModel.TIME:
         tokens = request_blocks * block_size if prompt_tokens is None else prompt_tokens
+        rates = rates or {}
+        # priced once per distinct (load, speeds, cached prefix): the loads and speeds of
+        # a fleet's quiet workers are shared objects (RouterState, fleet_rates), so 256
+        # mostly idle workers cost a handful of predictions, not 256
+        priced: dict[tuple[int, int, int], tuple[float, float]] = {}
+        weight = overlap_weight if use_cache else 1.0
         for w in candidates:
-            cached = overlap(w) if use_cache else 0
-            tier_blocks, tier_s = 0, 0.0
+            cached = min(overlaps.get(w, 0), request_blocks) if use_cache else 0
+            load, speeds = loads[w], rates.get(w, DEFAULT_RATES)
             if use_cache and tiers and tier_prices and w in tiers:
                 tier_blocks, tier_s = _tier_cost(tiers[w], tier_prices, request_blocks - cached)
-            uncached = max(tokens - (cached + tier_blocks) * block_size, 1)
-            costs[w], ttft[w] = predicted_ttft(
-                loads[w], (rates or {}).get(w, DEFAULT_RATES), uncached_tokens=uncached,
-                tier_seconds=tier_s, overlap_weight=overlap_weight if use_cache else 1.0)
+                uncached = max(tokens - (cached + tier_blocks) * block_size, 1)
+                costs[w], ttft[w] = predicted_ttft(load, speeds, uncached_tokens=uncached,
+                                                   tier_seconds=tier_s, overlap_weight=weight)
+                continue
+            key = (id(load), id(speeds), cached)
+            got = priced.get(key)
+            if got is None:
+                got = priced[key] = predicted_ttft(
+                    load, speeds, uncached_tokens=max(tokens - cached * block_size, 1),
+                    overlap_weight=weight)
+            costs[w], ttft[w] = got
     else:
         for w in candidates:
             decode_blocks = loads[w].active_blocks + request_blocks

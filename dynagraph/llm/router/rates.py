@@ -214,6 +214,13 @@ def fleet_medians(learners: Iterable[RateLearner]) -> FleetRates:
 
 
 def fleet_rates(learners: dict[int, RateLearner]) -> dict[int, WorkerRates]:
-    """Each worker's speeds; a worker without data takes the fleet's (module docstring)."""
+    """Each worker's speeds; a worker without data takes the fleet's (module docstring).
+    Equal speeds are one shared object (``choose_worker`` prices each distinct pair of
+    load and speeds once: most of a large fleet has learned nothing yet)."""
     fleet = fleet_medians(learners.values())
-    return {w: fleet.of(x) for w, x in learners.items()}
+    shared: dict[WorkerRates, WorkerRates] = {}
+    out: dict[int, WorkerRates] = {}
+    for w, x in learners.items():
+        rates = fleet.of(x)
+        out[w] = shared.setdefault(rates, rates)
+    return out

@@ -33,6 +33,7 @@ SHARED_TIER = "shared"
 NO_LOAD = EngineLoad()
 """The load of a worker that has not reported (shared: read only)."""
 _UNKNOWN = WorkerLoad()
+_MAX_SHARED_LOADS = 4096
 RATES_REFRESH_S = 0.5
 """Learned speeds are recomputed at most this often while time is passed in. They move
 slowly (half-lives of thousands of tokens), and recomputing the fleet's medians and every
@@ -104,6 +105,10 @@ class RouterState:
         self.learners: dict[int, RateLearner] = {}
         self.live: set[int] = set()
         self.healthy: set[int] = set()
+        self._quiet: dict[int, tuple[EngineLoad, WorkerLoad]] = {}
+        """Per worker: its load when none of this Router's requests is there, for the
+        report it was made from (``inputs``: most of a large fleet, most of the time)."""
+        self._loads: dict[WorkerLoad, WorkerLoad] = {}  # equal loads: one shared object
         self._rates: dict[int, WorkerRates] | None = None  # None: recompute
         self._rates_at = 0.0
         self._rates_stale = False  # a learner has learned since
@@ -135,6 +140,7 @@ class RouterState:
         self.inflight.pop(w, None)
         self.queues.pop(w, None)
         self.learners.pop(w, None)
+        self._quiet.pop(w, None)
         self._rates = None
 
     def rates(self, w: int, now: float | None = None) -> WorkerRates:
@@ -237,8 +243,8 @@ class RouterState:
 
     def inputs(self, hashes: list[int], now: float | None = None,
                rates: dict[int, WorkerRates] | None = None, *,
-               allowed: Collection[int] | None = None, costed: bool = True
-               ) -> tuple[dict[int, int], dict[int, WorkerLoad]]:
+               allowed: Collection[int] | None = None, costed: bool = True,
+               blocks: bool = True) -> tuple[dict[int, int], dict[int, WorkerLoad]]:
         """``choose_worker``'s overlaps and loads for a request with these block hashes.
 
         Overlap: the longer of the indexed prefix and the in-flight (predicted) one.
@@ -250,6 +256,9 @@ class RouterState:
         token). ``allowed`` limits the candidates (the workers of the request's model).
         ``costed`` False (modes that ignore loads): the indexed overlaps, and every
         candidate with an empty ``WorkerLoad`` (O(1) per worker, nothing forecast).
+        ``blocks`` False (the ``time`` cost model, which does not read active blocks): the
+        request's blocks already active on a worker are not counted out of its
+        ``active_blocks`` (a set intersection per worker with requests of this Router).
         """
         overlaps = self.index.find_matches(hashes)
         live = self.live if allowed is None else self.live & set(allowed)
@@ -262,8 +271,16 @@ class RouterState:
             rates = self.all_rates(now)
         loads: dict[int, WorkerLoad] = {}
         wanted: set[int] | None = None
+        quiet = self._quiet
         for w in candidates:
             counts = self.inflight.get(w)
+            queue = self.queues.get(w)
+            rep = self.reported.get(w, NO_LOAD)
+            if not counts and (queue is None or queue.idle):
+                known = quiet.get(w)
+                if known is not None and known[0] is rep:
+                    loads[w] = known[1]
+                    continue
             shared = 0
             if counts:  # most workers of a large fleet have none of this Router's requests
                 predicted = 0
@@ -273,23 +290,28 @@ class RouterState:
                     predicted += 1
                 if predicted > overlaps.get(w, 0):
                     overlaps[w] = predicted
-                if wanted is None:
-                    wanted = set(hashes)
-                shared = len(wanted & counts.keys())
-            rep = self.reported.get(w, NO_LOAD)
+                if blocks:
+                    if wanted is None:
+                        wanted = set(hashes)
+                    shared = len(wanted & counts.keys())
             active = max(rep.kv_blocks_used, len(counts) if counts else 0)
-            queue = self.queues.get(w)
             queued, decoding, routed = 0.0, 0, 0
             if queue is not None and not queue.idle:
                 if now is not None and w in rates:
                     queue.advance(now, rates[w].prefill_s_per_token)
                 queued, decoding, routed = queue.queued_tokens, queue.decoding, queue.size
             reported_decoding = rep.running - max(rep.prefilling - rep.waiting, 0)
-            loads[w] = WorkerLoad(active_blocks=max(active - shared, 0),
-                                  waiting_requests=rep.waiting, queued_tokens=queued,
-                                  decoding=max(decoding, reported_decoding, 0),
-                                  active=max(rep.running + rep.waiting, routed),
-                                  slots=rep.max_num_seqs)
+            load = WorkerLoad(active_blocks=max(active - shared, 0),
+                              waiting_requests=rep.waiting, queued_tokens=queued,
+                              decoding=max(decoding, reported_decoding, 0),
+                              active=max(rep.running + rep.waiting, routed),
+                              slots=rep.max_num_seqs)
+            if not counts and (queue is None or queue.idle):
+                if len(self._loads) > _MAX_SHARED_LOADS:
+                    self._loads.clear()
+                load = self._loads.setdefault(load, load)
+                quiet[w] = (rep, load)
+            loads[w] = load
         return overlaps, loads
 
     def queue_views(self, now: float | None = None) -> list[QueueView]:
@@ -315,7 +337,8 @@ class RouterState:
         ``tier_block_seconds`` the same for its shared tier."""
         costed = mode in (RouterMode.KV, RouterMode.KV_LOAD)
         rates = self.all_rates(now) if costed else None
-        overlaps, loads = self.inputs(hashes, now, rates, allowed=allowed, costed=costed)
+        overlaps, loads = self.inputs(hashes, now, rates, allowed=allowed, costed=costed,
+                                      blocks=cost_model == CostModel.BLOCKS)
         tiers: dict[int, dict[str, int]] | None = None
         prices: dict[str, float] | None = None
         if pool_block_seconds is not None or tier_block_seconds is not None:

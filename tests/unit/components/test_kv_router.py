@@ -491,3 +491,39 @@ async def test_a_full_worker_is_asked_to_hand_back_waiting_requests_when_places_
         assert (idle, "release") not in fake.opened
     finally:
         await router.stop()
+
+
+def test_a_quiet_workers_load_follows_its_reports_and_this_routers_requests() -> None:
+    """Loads of workers with none of this Router's requests are kept per report (the
+    bulk of a large fleet costs a lookup per decision); a new report, or a request
+    routed there, is seen at once, and equal loads are one object."""
+    s = state_with(A, B)
+    _, first = s.inputs([], now=1.0)
+    assert first[A] is first[B]  # equal reports: one shared load
+    s.set_load(A, EngineLoad(running=2, waiting=1, max_num_seqs=8), now=1.0)
+    _, loads = s.inputs([], now=1.0)
+    assert (loads[A].active, loads[A].slots, loads[B].active) == (3, 8, 0)
+    s.begin(B, [], key=1, uncached_tokens=300, now=1.0)
+    _, loads = s.inputs([], now=1.0)
+    assert loads[B].queued_tokens == 300
+    s.end(B, [], 1, now=1.5)
+    _, loads = s.inputs([], now=1.5)
+    assert loads[B] is first[B]  # quiet again, the same report
+    s.remove_worker(A)
+    assert A not in s.inputs([], now=2.0)[1]
+
+
+def test_the_time_cost_is_the_same_however_loads_are_shared() -> None:
+    """choose_worker prices each distinct (load, speeds, cached prefix) once: shared
+    load objects must give every worker the cost its own copy would."""
+    from dynagraph.llm.router.cost import WorkerLoad, choose_worker
+
+    busy = WorkerLoad(queued_tokens=500, decoding=2, active=3, slots=4)
+    workers = range(1, 9)
+    overlaps = {1: 3, 2: 3, 5: 1}
+    shared = {w: (busy if w % 2 else WorkerLoad()) for w in workers}
+    copies = {w: WorkerLoad(**vars(load)) for w, load in shared.items()}
+    got = [choose_worker(RouterMode.KV, overlaps, loads, 4, random.Random(0),
+                         prompt_tokens=130, block_size=32).costs
+           for loads in (shared, copies)]
+    assert got[0] == got[1] and len(set(got[0].values())) > 2

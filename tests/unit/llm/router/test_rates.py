@@ -112,3 +112,9 @@ def test_a_worker_without_data_takes_the_fleet_speed() -> None:
     assert r[4].decode_step_s == pytest.approx(0.004)
     # nobody has data: everyone keeps its prior
     assert fleet_rates({1: RateLearner(), 2: RateLearner()})[1] == RateLearner().rates()
+
+
+def test_workers_with_equal_speeds_share_one_object() -> None:
+    learners = {w: RateLearner() for w in range(4)}
+    rates = fleet_rates(learners)
+    assert len({id(r) for r in rates.values()}) == 1
