@@ -68,6 +68,7 @@ from dynagraph.errors import (
     StreamBroken,
 )
 from dynagraph.llm.api.tools import TOOL_PARSERS
+from dynagraph.llm.coalesce import merge_outputs
 from dynagraph.llm.detokenize import detokenize_stream
 from dynagraph.llm.http.limits import prompt_text_bytes
 from dynagraph.llm.migration import Attempt, migrating
@@ -384,6 +385,6 @@ class Processor(Component):
         def exhausted(last: Exception | None) -> Exception:
             return last or NoInstancesError("no live worker of this model to route to")
 
-        return failover(next_worker, lambda w: self.worker.direct(wire, w),
+        return failover(next_worker, lambda w: self.worker.direct(wire, w, merge=merge_outputs),
                         retry_on=(InstanceUnavailable, NoInstancesError, StreamBroken),
                         exhausted=exhausted, on_retry=retrying)

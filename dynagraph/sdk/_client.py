@@ -20,7 +20,7 @@ from typing import Any, Protocol, TypeVar
 from dynagraph.aio import aclose
 from dynagraph.errors import InstanceUnavailable, NoInstancesError
 from dynagraph.runtime.round_robin import RoundRobin
-from dynagraph.runtime.rpc import has_local_servers, local_server
+from dynagraph.runtime.rpc import NOT_READY, has_local_servers, local_server
 from dynagraph.sdk._context import REQUEST_ID_HEADER, current_request_id
 
 C = TypeVar("C")
@@ -84,11 +84,25 @@ class EndpointClient:
         return []
 
     async def direct(self, request: Any, instance_id: int, *,
-                     headers: dict[str, str] | None = None) -> AsyncGenerator[Any, None]:
+                     headers: dict[str, str] | None = None,
+                     merge: Callable[[Any, Any], Any | None] | None = None
+                     ) -> AsyncGenerator[Any, None]:
+        """The stream of ``instance_id``'s endpoint. ``merge(a, b)``: items that arrived
+        while this reader was busy are merged into one where it returns one (None: keep
+        them apart), so a reader that falls behind catches up in fewer, larger steps
+        (never waiting for more: the first item goes on as it came)."""
         inst = await self._instance(instance_id)
         it = self._caller.call(inst.address, self.endpoint, request, headers=_headers(headers))
+        take = getattr(it, "take_ready", None) if merge is not None else None
         try:
             async for item in it:
+                if take is not None:
+                    while (more := take()) is not NOT_READY:
+                        merged = merge(item, more)  # type: ignore[misc]
+                        if merged is None:
+                            yield item
+                            merged = more
+                        item = merged
                 yield item
         finally:
             await aclose(it)

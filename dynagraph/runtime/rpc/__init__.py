@@ -23,13 +23,14 @@ handler; a slow caller holds the handler at its ``yield`` (bounded buffers).
 
 from __future__ import annotations
 
-from ._client import RpcClient, RpcStream
+from ._client import NOT_READY, RpcClient, RpcStream
 from ._context import REQUEST_ID_HEADER, Handler, RequestContext
 from ._framing import ProtocolError
 from ._local import LocalStream, has_local_servers, local_server
 from ._server import RpcServer, UnknownEndpoint
 
 __all__ = [
+    "NOT_READY",
     "REQUEST_ID_HEADER",
     "Handler",
     "LocalStream",

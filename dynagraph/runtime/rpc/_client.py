@@ -42,6 +42,8 @@ READ_HIGH_WATER = 256 * 1024
 """Undecoded bytes above which the client stops reading the socket."""
 READ_LOW_WATER = 64 * 1024
 """Undecoded bytes below which reading resumes."""
+NOT_READY: Any = object()
+"""``RpcStream.take_ready``'s answer when no whole item is waiting."""
 CANCEL_DRAIN_S = 2.0
 """How long a cancelled stream's connection waits for the callee's terminal frame before
 it is closed instead of pooled."""
@@ -150,6 +152,7 @@ class RpcStream:
         self._conn: _ClientConnection | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._done = False
+        self._held: list[Any] | None = None  # a terminal frame ``take_ready`` came upon
 
     def __aiter__(self) -> RpcStream:
         return self
@@ -162,7 +165,11 @@ class RpcStream:
             conn = await self._open()
         try:
             while True:
-                frame = conn.next_frame()
+                frame: list[Any] | None = self._held
+                if frame is not None:
+                    self._held = None
+                else:
+                    frame = conn.next_frame()
                 if frame is None:
                     if conn.closed and self._request is not None and conn.stale:
                         conn = await self._open(fresh=True)  # request not delivered: resend
@@ -192,6 +199,29 @@ class RpcStream:
             self._abort()
             raise
         self._finish(frame)
+
+    def take_ready(self) -> Any:
+        """The next item if it has already arrived whole, else ``NOT_READY``; never waits.
+
+        For a reader that is behind: what has piled up can be taken (and merged) at once.
+        A terminal frame met on the way is kept for the next ``__anext__``.
+        """
+        conn = self._conn
+        if conn is None or self._held is not None or self._request is not None:
+            return NOT_READY
+        while True:
+            try:
+                frame = conn.next_frame()
+            except BaseException:
+                self._abort()
+                raise
+            if frame is None:
+                return NOT_READY
+            if frame[0] == ITEM and len(frame) == 2:
+                return frame[1]
+            if frame[0] != ALIVE:
+                self._held = frame
+                return NOT_READY
 
     async def _open(self, *, fresh: bool = False) -> _ClientConnection:
         """Send the request on a pooled (or, if ``fresh``, a new) connection.
@@ -234,6 +264,11 @@ class RpcStream:
     def _cancel(self) -> None:
         """Stop a running stream: CANCEL, and pool the connection once the callee's
         terminal frame is read (``_ClientConnection.cancel``)."""
+        held, self._held = self._held, None
+        if held is not None:  # the stream had ended: nothing to cancel
+            with contextlib.suppress(Exception):  # StopAsyncIteration, or its error
+                self._finish(held)
+            return
         conn = self._conn
         self._conn = None
         self._done = True

@@ -40,7 +40,7 @@ class FakeWorkers:
     def instance_ids(self) -> list[int]:
         return list(self.ids)
 
-    async def direct(self, request: Any, instance_id: int) -> AsyncIterator[Any]:
+    async def direct(self, request: Any, instance_id: int, **kw: Any) -> AsyncIterator[Any]:
         self.calls.append(instance_id)
         if instance_id in self.broken:
             raise self.broken[instance_id]
@@ -117,7 +117,7 @@ async def test_excluded_workers_are_not_asked_even_if_the_router_says_so(process
 async def test_a_migration_finds_a_worker_that_joined_after_the_request_began(
         processor: Make) -> None:
     class Workers(FakeWorkers):
-        async def direct(self, request: Any, instance_id: int) -> AsyncIterator[Any]:
+        async def direct(self, request: Any, instance_id: int, **kw: Any) -> AsyncIterator[Any]:
             self.calls.append(instance_id)
             if instance_id == 7:  # the only worker when the request began: dies mid-stream
                 yield {"token_ids": [11]}
@@ -142,7 +142,7 @@ async def test_a_stalled_worker_is_asked_again_once_every_other_has_failed(
     class Workers(FakeWorkers):
         stalled = True
 
-        async def direct(self, request: Any, instance_id: int) -> AsyncIterator[Any]:
+        async def direct(self, request: Any, instance_id: int, **kw: Any) -> AsyncIterator[Any]:
             self.calls.append(instance_id)
             if instance_id == 5 and self.stalled:
                 self.stalled = False

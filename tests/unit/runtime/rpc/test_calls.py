@@ -12,8 +12,8 @@ import pydantic
 import pytest
 
 from dynagraph.errors import InstanceUnavailable, InvalidRequest, RemoteError
-from dynagraph.runtime.rpc import ProtocolError, RequestContext, RpcClient, RpcServer
-from tests.support.poll import collect
+from dynagraph.runtime.rpc import ProtocolError, RequestContext, RpcClient, RpcServer, RpcStream
+from tests.support.poll import collect, until
 
 
 async def test_streams_all_items_then_ends(server: RpcServer, client: RpcClient) -> None:
@@ -197,3 +197,45 @@ async def test_duplicate_endpoint_is_refused() -> None:
 
 async def _one(payload: Any, ctx: RequestContext) -> AsyncIterator[int]:
     yield 1
+
+
+async def test_items_that_have_arrived_can_be_taken_without_waiting(
+        server: RpcServer, client: RpcClient) -> None:
+    """take_ready: what piled up while the reader was busy, never blocking; the END
+    it comes upon waits for __anext__, and the connection is pooled as after any END."""
+    from dynagraph.runtime.rpc import NOT_READY
+
+    stream = client.call(server.address, "count", {"n": 5})
+    assert isinstance(stream, RpcStream)
+    assert stream.take_ready() is NOT_READY  # nothing sent yet
+    assert await anext(stream) == 0
+    conn = stream._conn
+    taken: list[Any] = []
+
+    def take() -> bool:
+        item = stream.take_ready()
+        if item is not NOT_READY:
+            taken.append(item)
+        return len(taken) == 4
+
+    await until(take)  # the rest, as they arrive
+    assert taken == [1, 2, 3, 4]
+    # the END comes next: kept aside for __anext__
+    await until(lambda: stream.take_ready() is NOT_READY and stream._held is not None)
+    with pytest.raises(StopAsyncIteration):
+        await anext(stream)
+    assert client._idle.get(server.address) == [conn]
+
+
+async def test_closing_a_stream_whose_end_was_taken_aside_pools_it(
+        server: RpcServer, client: RpcClient) -> None:
+    from dynagraph.runtime.rpc import NOT_READY
+
+    stream = client.call(server.address, "count", {"n": 2})
+    assert isinstance(stream, RpcStream)
+    assert await anext(stream) == 0
+    await until(lambda: stream.take_ready() is not NOT_READY)  # 1; then END is kept aside
+    await until(lambda: stream.take_ready() is NOT_READY and stream._held is not None)
+    conn = stream._conn
+    await stream.aclose()
+    assert client._idle.get(server.address) == [conn]
