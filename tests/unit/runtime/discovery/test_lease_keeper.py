@@ -108,8 +108,11 @@ def test_an_endpoint_without_the_gateway_is_reported(gateway: Gateway) -> None:
     k = keeper([gateway.endpoint], events)
     k.start()
     wait_until(lambda: bool(events), 5, "the report", 0.01)
+    late: list[object] = []  # a member joining after that is told at once
+    k.add(lambda: 7, on_lost=late.append, on_unsupported=late.append)
     k.stop(2)
     assert len(events) == 1 and "HTTP 404" in str(events[0])
+    assert len(late) == 1 and "HTTP 404" in str(late[0])
 
 
 def test_an_endpoint_that_is_down_is_retried_then_the_next_one_used(gateway: Gateway) -> None:
@@ -155,15 +158,3 @@ def test_leases_a_cut_short_reply_left_out_are_asked_for_again(gateway: Gateway)
         k.stop(2)
     assert events == []
     assert {s.split()[1] for s in gateway.seen} == {"0", "1", "2", "3", "4"}
-
-
-def test_a_member_joining_after_the_gateway_proved_missing_is_told(gateway: Gateway) -> None:
-    gateway.status = 404
-    events: list[object] = []
-    k = keeper([gateway.endpoint], events)
-    k.start()
-    wait_until(lambda: bool(events), 5, "the report", 0.01)
-    late: list[object] = []
-    k.add(lambda: 7, on_lost=late.append, on_unsupported=late.append)
-    k.stop(2)
-    assert len(late) == 1 and "HTTP 404" in str(late[0])
