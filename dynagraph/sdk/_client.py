@@ -96,9 +96,9 @@ class EndpointClient:
         take = getattr(it, "take_ready", None) if merge is not None else None
         try:
             async for item in it:
-                if take is not None:
+                if take is not None and merge is not None:
                     while (more := take()) is not NOT_READY:
-                        merged = merge(item, more)  # type: ignore[misc]
+                        merged = merge(item, more)
                         if merged is None:
                             yield item
                             merged = more
