@@ -10,7 +10,9 @@ that size, ``kv-offload-gib``) or ``GIB:CODEC`` (that pool storing blocks compre
 ``kv-compression``; a pool too small for every prefix shows what compression buys), each
 optionally ``@NAME``: with a tier under the pool, ``kv-offload-dir`` = ``--tier-root``/NAME
 (kept for the whole run, so a later setting with the same NAME is a fresh graph that finds
-what an earlier one left there: ``off,1@t,1@t`` shows a restarted worker loading from it).
+what an earlier one left there: ``off,1@t,1@t`` shows a restarted worker loading from it),
+and ``@NAME/GIB`` also limits that tier to GIB (``kv-offload-dir-gib``: the oldest written
+blocks are deleted).
 Sends ``--prefixes`` distinct prompts of ``--prefix-tokens`` random token ids one after
 the other, ``--rounds`` times (streamed ``/v1/completions``, 4 output tokens): the
 prefixes together are larger than the engine's cache, so by the time a prefix comes
@@ -60,6 +62,8 @@ def pool_metrics(address: str) -> dict[str, float]:
     out = {k: total(text, f"dynamo_worker_kv_pool_{k}_total") for k in POOL_SERIES}
     out["prefix_cache_hit_tokens"] = total(text, "dynamo_worker_prefix_cache_hits_total")
     out["tier_hit_tokens"] = total(text, "dynamo_worker_kv_tier_hit_tokens_total")
+    out["tier_trimmed_blocks"] = total(text, "dynamo_worker_kv_tier_trimmed_blocks_total")
+    out["tier_bytes"] = total(text, "dynamo_worker_kv_tier_bytes")
     return out
 
 
@@ -85,6 +89,7 @@ async def one_round(url: str, prompts: list[list[int]], rnd: int) -> dict[str, A
 def run_setting(setting: str, args: argparse.Namespace, infra: dict[str, Any],
                 model_dir: Path, prompts: list[list[int]], tier_root: Path) -> dict[str, Any]:
     pool, _, tier = setting.partition("@")
+    tier, _, tier_limit = tier.partition("/")
     gib, _, codec = pool.partition(":")
     pool_gib = 0.0 if gib == "off" else float(gib)
     port = free_port()
@@ -102,6 +107,8 @@ def run_setting(setting: str, args: argparse.Namespace, infra: dict[str, Any],
         cmd.append(f"--VllmWorker.kv-compression={codec}")
     if tier:
         cmd.append(f"--VllmWorker.kv-offload-dir={tier_root / tier}")
+    if tier_limit:
+        cmd.append(f"--VllmWorker.kv-offload-dir-gib={tier_limit}")
     server = ManagedProcess(cmd, env, name=f"agg-pool-{setting}")
     try:
         banner, _ = server.wait_line(lambda s: "VllmWorker[0] pid=" in s, 420)
@@ -118,6 +125,7 @@ def run_setting(setting: str, args: argparse.Namespace, infra: dict[str, Any],
             time.sleep(0.5)  # the last step's stats reach the worker's metrics after it
             after = pool_metrics(m.group(1))
             out["worker"] = {k: after[k] - before[k] for k in after}
+            out["worker"]["tier_bytes"] = after["tier_bytes"]  # a gauge
             log.info("setting %s round %d: %s", setting, rnd, out)
             rounds.append(out)
         return {"setting": setting, "pool_gib": pool_gib, "codec": codec or "none",
@@ -164,6 +172,9 @@ def markdown(result: dict[str, Any]) -> str:
                 "loaded MiB (s)": f"{w['loaded_bytes'] / 2**20:.1f} ({w['load_seconds']:.3f})",
                 "stored MiB": f"{w['stored_bytes'] / 2**20:.1f}",
                 "pool evictions": int(w["evictions"]),
+                "tier MiB at the end (blocks trimmed)": (
+                    f"{w.get('tier_bytes', 0) / 2**20:.1f} "
+                    f"({int(w.get('tier_trimmed_blocks', 0))})"),
             })
     lines += markdown_table(list(rows[0]), rows)
     last = {run.get("label", run["setting"]): run["rounds"][-1]["ttft_ms"].get("mean")
@@ -194,7 +205,8 @@ def main() -> int:
     p.add_argument("--prefix-tokens", type=int, default=1500)
     p.add_argument("--blocks", type=int, default=160)
     p.add_argument("--settings", default="off,1,1:int8,0.012,0.012:int8",
-                   help="comma-separated: off | GIB | GIB:CODEC, each optionally @TIER")
+                   help="comma-separated: off | GIB | GIB:CODEC, each optionally @TIER "
+                        "or @TIER/LIMIT_GIB")
     p.add_argument("--tier-root", default="/dev/shm",
                    help="where the @TIER directories go (a tmpfs: a RAM tier; a disk: a "
                         "disk tier); removed at the end")

@@ -41,6 +41,7 @@ from dynagraph.llm.disagg import (
 from dynagraph.llm.engines.vllm_engine import VllmEngine, VllmEngineArgs, block_hasher
 from dynagraph.llm.kv.nixl_side import nixl_key, prepare_nixl
 from dynagraph.llm.kv.shm_transport import offer
+from dynagraph.llm.kv.tier_trim import TierJanitor, tier_janitor
 from dynagraph.observability.disagg_metrics import PrefillQueueMetrics
 from dynagraph.runtime.live_settings import LiveSpec
 from dynagraph.runtime.queue import NatsPrefillQueue
@@ -93,6 +94,7 @@ class PrefillWorker(Component):
         self._tasks: list[asyncio.Task[None]] = []
         self.outcomes: dict[str, int] = {}
         self.hasher = block_hasher(config)
+        self.tier_janitor: TierJanitor | None = None
 
     @async_on_start
     async def start(self) -> None:
@@ -137,11 +139,18 @@ class PrefillWorker(Component):
             self._tasks.append(asyncio.create_task(
                 self.faults.follow(rt.discovery.watch_prefix(self.faults.prefix)),
                 name="prefill-faults"))
+        self.tier_janitor = tier_janitor(self.config.kv_offload_dir,
+                                         self.config.kv_offload_dir_gib,
+                                         worker=f"{rt.instance_id:x}", registry=rt.registry)
+        if self.tier_janitor is not None:
+            self.tier_janitor.start()
         log.info("prefill worker ready: engine %s, NIXL side channel %s:%d",
                  self.nixl.engine_id, self.nixl.host, self.nixl.port)
 
     @async_on_shutdown
     async def stop(self) -> None:
+        if self.tier_janitor is not None:
+            await self.tier_janitor.stop()
         await cancel_and_wait(self._tasks, timeout=10)
         if self.queue is not None:
             await self.queue.close()

@@ -54,6 +54,7 @@ from dynagraph.llm.engines.vllm_engine import (
 )
 from dynagraph.llm.kv.relay import KvEventFeed, KvEventRelay, load_snapshots
 from dynagraph.llm.kv.shm_transport import is_shm, offer, tier_name
+from dynagraph.llm.kv.tier_trim import TierJanitor, tier_janitor
 from dynagraph.llm.models import served_model_metadata
 from dynagraph.llm.protocol import LLMEngineOutput, PreprocessedRequest
 from dynagraph.llm.tenants import Signer, cache_salt_of
@@ -179,6 +180,7 @@ class VllmWorker(DecodeWorkerEndpoints):
             self.relay = KvEventRelay(hasher=self.hasher)
             config = config.model_copy(update={"kv_events_endpoint": self.relay.bind()})
         self.engine = VllmEngine(config)
+        self.tier_janitor: TierJanitor | None = None
         self.afd: AfdAttachment | None = None
         self._afd_task: asyncio.Task[None] | None = None
         if self.ffn is not None:  # AFD (torch): imported only by a worker that uses it
@@ -215,6 +217,12 @@ class VllmWorker(DecodeWorkerEndpoints):
         tier = offer(self.config.kv_offload_dir, self.config.kv_compression)
         if tier is not None:  # the Router credits this worker with the tier's blocks
             self.runtime.metadata["kv_tier"] = tier_name(tier)
+        self.tier_janitor = tier_janitor(
+            self.config.kv_offload_dir, self.config.kv_offload_dir_gib,
+            worker=f"{self.runtime.instance_id:x}", registry=self.runtime.registry,
+            feed=self.relay)
+        if self.tier_janitor is not None:
+            self.tier_janitor.start()
         log.info("engine ready in %.1fs (max_model_len %d)", self.engine.start_seconds,
                  self.engine.max_model_len)
 
@@ -228,6 +236,8 @@ class VllmWorker(DecodeWorkerEndpoints):
 
     @async_on_shutdown
     async def stop(self) -> None:
+        if self.tier_janitor is not None:
+            await self.tier_janitor.stop()
         if self.disagg is not None:
             await self.disagg.stop()
         await self.engine.shutdown()

@@ -140,6 +140,12 @@ CATALOG: tuple[MetricSpec, ...] = (
        "Bytes of KV read from the tier under the pool into the pool.", ("worker",), WORKER),
     _m("dynamo_worker_kv_tier_read_seconds_total", "counter",
        "Seconds spent reading KV from the tier under the pool.", ("worker",), WORKER),
+    _m("dynamo_worker_kv_tier_bytes", "gauge",
+       "Bytes of block files in the tier under the pool (kv-offload-dir) at this worker's "
+       "last trim pass (kv-offload-dir-gib).", ("worker",), WORKER),
+    _m("dynamo_worker_kv_tier_trimmed_blocks_total", "counter",
+       "Blocks this worker deleted from the tier under the pool to keep it within "
+       "kv-offload-dir-gib (oldest written first).", ("worker",), WORKER),
     _m("dynamo_worker_kv_pool_loaded_bytes_total", "counter",
        "Bytes of KV loaded from the host KV pool into the engine.", ("worker",), WORKER),
     _m("dynamo_worker_kv_pool_load_seconds_total", "counter",

@@ -50,14 +50,19 @@ class GraphProbe:
 
     async def prefix_cache(self, record: dict[str, Any]) -> tuple[float, float]:
         """(queries, hits) in prompt tokens, from the worker's /metrics."""
-        text = (await self.http.get(f"http://{record['metrics']}/metrics")).text
         out = []
         for name in ("dynamo_worker_prefix_cache_queries_total",
                      "dynamo_worker_prefix_cache_hits_total"):
-            m = re.search(rf"^{name}\{{[^}}]*\}} (\S+)$", text, re.M)
-            assert m is not None, f"{name} not in /metrics of {record['metrics']}"
-            out.append(float(m.group(1)))
+            value = await self.worker_metric(record, name)
+            assert value is not None, f"{name} not in /metrics of {record['metrics']}"
+            out.append(value)
         return out[0], out[1]
+
+    async def worker_metric(self, record: dict[str, Any], name: str) -> float | None:
+        """A worker's (one-engine process's) sample of ``name`` (None: not exported)."""
+        text = (await self.http.get(f"http://{record['metrics']}/metrics")).text
+        m = re.search(rf"^{name}\{{[^}}]*\}} (\S+)$", text, re.M)
+        return None if m is None else float(m.group(1))
 
     async def router_metric(self, name: str) -> dict[str, float]:
         """A per-worker gauge of the Router's /metrics: worker label -> value."""

@@ -27,6 +27,9 @@ POOL_GIB = 0.02
 """Each worker keeps a small host KV pool (``kv-offload-gib``), as users may, with a tier
 under it that both share (``kv-offload-dir``, on /dev/shm: ``shared_tier``). With a tier the
 pool's region lives in /dev/shm too: small, so a small /dev/shm (containers) holds both."""
+TIER_LIMIT_GIB = 1
+"""A limit on the shared tier (``kv-offload-dir-gib``) that these tests never reach: its
+trimmer runs and reports the tier's size, deleting nothing the tests look for."""
 MODEL = "tiny-llama"
 
 
@@ -46,6 +49,7 @@ def router_graph(model_dir: Path, etcd_url: str, nats_url: str,
                  f"--Common.max-model-len={MAX_MODEL_LEN}", "--VllmWorker.max-num-seqs=8",
                  f"--VllmWorker.kv-offload-gib={POOL_GIB}",
                  f"--VllmWorker.kv-offload-dir={shared_tier}",
+                 f"--VllmWorker.kv-offload-dir-gib={TIER_LIMIT_GIB}",
                  "--Frontend.max-inflight-requests=48", "--Frontend.max-queued-requests=48",
                  "--Frontend.queue-timeout=5"],
                 graph_env(etcd_url, nats_url), clean_exit=False) as sp:

@@ -133,6 +133,14 @@ async def test_the_shared_tier_reaches_the_router_as_a_third_tier(
     await complete(router_url, prompt[:BLOCK] + tokens(5))  # a step that stores them
     tiered = await metric_reaches(probe, "dynamo_router_index_tiered_blocks", f"{holder:x}", 6)
     assert tiered.get(f"{holder:x}", 0) >= 6, f"the Router's tier index: {tiered}"
+    # the tier's size limit (kv-offload-dir-gib): one worker's trimmer measures it
+    deadline = time.monotonic() + 20
+    sizes: list[float | None] = []
+    while not any(sizes) and time.monotonic() < deadline:
+        await asyncio.sleep(0.5)
+        sizes = [await probe.worker_metric(r, "dynamo_worker_kv_tier_bytes")
+                 for r in workers.values()]
+    assert any(sizes), f"no worker measured the tier: {sizes}"
 
 
 async def test_concurrent_new_prefixes_spread_over_the_workers(

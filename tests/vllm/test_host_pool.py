@@ -20,6 +20,7 @@ from dynagraph.errors import ConfigError
 from dynagraph.llm.engines import SamplingSpec
 from dynagraph.llm.engines.vllm_engine import VllmEngine, VllmEngineArgs
 from dynagraph.llm.kv.relay import KvEventRelay
+from dynagraph.llm.kv.tier_trim import TierTrimmer
 from dynagraph.llm.router.hashing import BlockHasher
 from tests.vllm.conftest import TEST_BLOCK_SIZE, in_process_model
 
@@ -158,3 +159,50 @@ async def test_a_second_worker_loads_a_prefix_the_first_left_in_the_shared_tier(
         await b.shutdown()
         await relay.close()
     assert not pool_regions()  # the pools' shared regions went with them
+
+
+def tier_files(root: Path) -> list[Path]:
+    return list(root.rglob("*.bin"))
+
+
+def cut_short(root: Path) -> None:
+    for f in tier_files(root):
+        f.write_bytes(f.read_bytes()[:100])
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_tier_files_cut_short_or_trimmed_away_are_computed_instead(
+        model_dir: Path, tmp_path: Path) -> None:
+    """A tier file that cannot be read after the lookup found it (cut short here; a
+    file a trimmer or an operator deletes meanwhile fails the same way) and one trimmed
+    away (``kv-offload-dir-gib``) both cost worker B a recompute, never the request:
+    its greedy tokens equal A's."""
+    def tiered() -> VllmEngine:
+        return VllmEngine(VllmEngineArgs(
+            model=str(model_dir), block_size=TEST_BLOCK_SIZE, max_model_len=1024,
+            max_num_seqs=2, kv_offload_gib=0.01, kv_offload_dir=str(tmp_path)))
+
+    a, b = tiered(), tiered()
+    try:
+        with in_process_model():
+            await a.start()
+            await b.start()
+        cut = prompt(11)
+        from_a = await greedy(a, "cut-a", cut)
+        await until(lambda: len(tier_files(tmp_path)) >= PROMPT_BLOCKS)
+        cut_short(tmp_path)
+        assert await greedy(b, "cut-b", cut) == from_a
+        assert b.load().kv_tier_hit_tokens == 0
+
+        trimmed = prompt(12)
+        from_a = await greedy(a, "trim-a", trimmed)
+        await until(lambda: len(tier_files(tmp_path)) >= PROMPT_BLOCKS)
+        result = TierTrimmer(tmp_path, 1, low_water=1.0).trim()
+        assert len(result.removed) >= PROMPT_BLOCKS and result.bytes_after == 0
+        assert not tier_files(tmp_path)
+        assert await greedy(b, "trim-b", trimmed) == from_a
+        assert b.load().kv_tier_hit_tokens == 0
+    finally:
+        await a.shutdown()
+        await b.shutdown()
+    assert not pool_regions()

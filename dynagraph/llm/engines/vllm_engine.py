@@ -87,6 +87,12 @@ class VllmEngineArgs(BaseModel):
     found here is loaded back through the pool. Every worker of the model that names the
     same directory shares it: on a tmpfs (``/dev/shm/...``) a host-shared RAM tier, on a
     disk a disk tier. Needs ``kv-offload-gib``. ``None``: off."""
+    kv_offload_dir_gib: float = Field(default=0.0, ge=0.0)
+    """Size limit of ``kv-offload-dir`` (``dynagraph.llm.kv.tier_trim``): every few
+    seconds, while its block files add up to more, the oldest written are deleted, down
+    to 90% of the limit (the engine computes a deleted block it looked for). Every worker
+    naming the directory should name the same limit; they take turns. 0: no limit (vLLM's
+    tier never deletes a file)."""
     kv_compression: str = "none"
     """How the host KV pool stores blocks (``dynagraph.llm.kv.codec``): ``none``, ``int8``
     or ``fp8`` (groupwise scaled, ~1.94x more blocks in the same memory), or
@@ -157,6 +163,9 @@ class VllmEngineArgs(BaseModel):
         if self.kv_offload_dir and self.kv_offload_gib <= 0:
             raise ValueError("kv-offload-dir is a tier under the host KV pool: set "
                              "kv-offload-gib too")
+        if self.kv_offload_dir_gib > 0 and not self.kv_offload_dir:
+            raise ValueError("kv-offload-dir-gib limits the tier kv-offload-dir names: set "
+                             "kv-offload-dir too")
         return self
 
     @field_validator("kv_events_endpoint", "kv_events_replay_endpoint")
@@ -174,6 +183,9 @@ SPREAD = "spread"
 
 TIER_IO_THREADS = 2
 """Read and write threads of the ``kv-offload-dir`` tier (vLLM's default is 16 each)."""
+
+
+RECOMPUTE = "recompute"
 
 
 def kv_transfer_config(args: VllmEngineArgs) -> dict[str, Any] | None:
@@ -196,8 +208,14 @@ def kv_transfer_config(args: VllmEngineArgs) -> dict[str, Any] | None:
                          "n_write_threads": TIER_IO_THREADS,
                          # the blocks it writes, as KV events (medium STORAGE) for the Router
                          "enable_kv_events": True}])
+    # vLLM's scheduler reads the failure policy of the top connector only (its default:
+    # fail the request). A block a connector could not load is computed instead: a NIXL
+    # read from a prefill worker that died after its hand-off (nixl_side asks the same
+    # of its own connector, which under the MultiConnector counted for nothing) or a
+    # failed pool copy. A tier file gone or cut short never gets that far: the tier's
+    # promotion into the pool fails and the lookup becomes a miss.
     pool = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-            "kv_connector_extra_config": extra}
+            "kv_load_failure_policy": RECOMPUTE, "kv_connector_extra_config": extra}
     if not args.kv_transfer_config:
         return pool
     given = dict(args.kv_transfer_config)
@@ -205,6 +223,7 @@ def kv_transfer_config(args: VllmEngineArgs) -> dict[str, Any] | None:
     # keys (TypeError when a child has one): it goes on the parent, children inherit it.
     engine_id = given.pop("engine_id", None)
     multi = {"kv_connector": "MultiConnector", "kv_role": given.get("kv_role", "kv_both"),
+             "kv_load_failure_policy": given.get("kv_load_failure_policy", RECOMPUTE),
              "kv_connector_extra_config": {"connectors": [given, pool]}}
     if engine_id is not None:
         multi["engine_id"] = engine_id

@@ -14,11 +14,11 @@ so every worker of the same model that names the directory finds every other's b
   prefill worker of its host stored;
 - on a disk it is a **disk tier** that outlives the workers.
 
-The directory has no size limit of its own (vLLM's tier never deletes); ``dynamo serve``
-leaves it alone, its owner clears it. The engine's arguments name the tier
-(``vllm_engine.kv_transfer_config``): blocks stored with a codec (``kv-compression``)
-live in a subdirectory named after it, so workers with different codecs never read each
-other's bytes. Imports vLLM: load it only inside an engine process.
+vLLM's tier never deletes a file: ``kv-offload-dir-gib`` has the workers trim the
+directory to a limit (:mod:`dynagraph.llm.kv.tier_trim`); without one its owner clears
+it. The engine's arguments name the tier (``vllm_engine.kv_transfer_config``): blocks
+stored with a codec (``kv-compression``) live in a subdirectory named after it, so
+workers with different codecs never read each other's bytes. Imports vLLM: load it only inside an engine process.
 """
 
 from __future__ import annotations

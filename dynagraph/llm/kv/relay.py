@@ -103,6 +103,11 @@ class BlockSet:
         """Every held hash, oldest first."""
         return list(self._counts)
 
+    def discard(self, hashes: Iterable[int]) -> None:
+        """Forget these hashes, every copy (blocks deleted behind the engine's back)."""
+        for h in hashes:
+            self._counts.pop(h, None)
+
     def apply(self, events: Iterable[KvEvent]) -> Delta:
         """Apply one batch's events in order; return what changed for an observer."""
         counts = self._counts
@@ -239,10 +244,22 @@ class KvEventFeed:
         if not delta and not pooled and not tiered:
             return None
         self.seq += 1
-        out = RelayBatch(seq=self.seq, cleared=delta.cleared, stored=delta.stored,
-                         removed=delta.removed, pooled_stored=pooled.stored,
-                         pooled_removed=pooled.removed, tiered_stored=tiered.stored,
-                         tiered_removed=tiered.removed)
+        return self._send(RelayBatch(
+            seq=self.seq, cleared=delta.cleared, stored=delta.stored, removed=delta.removed,
+            pooled_stored=pooled.stored, pooled_removed=pooled.removed,
+            tiered_stored=tiered.stored, tiered_removed=tiered.removed))
+
+    def forget_tiered(self, hashes: list[int]) -> RelayBatch | None:
+        """Blocks deleted from the shared tier (``dynagraph.llm.kv.tier_trim``, by any
+        worker of the tier): dropped from this engine's tier set, and sent on whether or
+        not this engine wrote them, since the Router drops them for the whole tier."""
+        if not hashes:
+            return None
+        self.tiered.discard(hashes)
+        self.seq += 1
+        return self._send(RelayBatch(seq=self.seq, tiered_removed=hashes))
+
+    def _send(self, out: RelayBatch) -> RelayBatch:
         for sub in list(self._subscribers):
             if not sub._put(out):
                 self.stats.resyncs += 1

@@ -180,6 +180,18 @@ class RouterState:
         if w in self.live:
             batch.apply_to(self.index, w, self.pooled, self.tiered)
             self._pooling = self._pooling or bool(batch.pooled_stored or batch.tiered_stored)
+            if batch.tiered_removed:
+                self._untier(w, batch.tiered_removed)
+
+    def _untier(self, w: int, hashes: list[int]) -> None:
+        """Blocks gone from ``w``'s shared tier are gone for every worker of that tier
+        (a trimmer deletes the files whoever wrote them)."""
+        tier = self.tier_of.get(w)
+        if tier is None:
+            return
+        for other, t in self.tier_of.items():
+            if t == tier and other != w:
+                self.tiered.apply_removed(other, hashes)
 
     def pooled_beyond(self, hashes: list[int], overlaps: dict[int, int]) -> dict[int, int]:
         """Per worker: the blocks of this prompt it can load from its host KV pool past

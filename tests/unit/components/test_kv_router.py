@@ -93,6 +93,25 @@ def test_a_shared_tier_prices_what_any_worker_of_that_tier_wrote() -> None:
     assert s.offloaded(blocks, {A: 2, C: 3}) == {A: {"pool": 2}, C: {"shared": 1}}
 
 
+def test_blocks_trimmed_from_a_shared_tier_are_gone_for_every_worker_of_it() -> None:
+    C, D = 0xC, 0xD
+    s = state_with(A, B, C, D)
+    blocks = hasher.block_hashes(prompt(1, 8))
+    for w in (A, B, C):
+        s.set_tier(w, "host-1:/dev/shm/kv/none")
+    s.set_tier(D, "host-2:/dev/shm/kv/none")
+    s.apply(A, RelayBatch(seq=1, snapshot=True, tiered_stored=blocks[:4]))
+    s.apply(B, RelayBatch(seq=1, snapshot=True, tiered_stored=blocks))
+    s.apply(D, RelayBatch(seq=1, snapshot=True, tiered_stored=blocks))
+    # C's trimmer deleted the files of blocks 2.. (C wrote none of them)
+    s.apply(C, RelayBatch(seq=2, tiered_removed=blocks[2:]))
+    assert s.tiered.worker_blocks(A) == set(blocks[:2])
+    assert s.tiered.worker_blocks(B) == set(blocks[:2])
+    assert s.tiered.worker_blocks(D) == set(blocks)  # another host's tier
+    assert s.offloaded(blocks, {}) == {A: {"shared": 2}, B: {"shared": 2},
+                                       C: {"shared": 2}, D: {"shared": 8}}
+
+
 def test_the_choice_is_limited_to_the_workers_of_the_model() -> None:
     s = state_with(A, B)
     shared = hasher.block_hashes(prompt(1, 8))

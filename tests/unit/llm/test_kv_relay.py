@@ -274,3 +274,18 @@ def test_blocks_written_to_the_shared_tier_are_a_third_tier() -> None:
     assert tiered.worker_blocks(W) == {2}
     RelayBatch(seq=10, cleared=True).apply_to(index, W, pooled, tiered)
     assert tiered.worker_blocks(W) == set()
+
+
+def test_blocks_trimmed_from_the_tier_are_sent_as_removed_and_stored_again_later() -> None:
+    feed = KvEventFeed()
+    feed.publish([st(1, 2, medium="STORAGE")])
+    sub = feed.subscribe()
+    # 3: written by another worker of the tier; the Router drops it for the whole tier
+    sent = feed.forget_tiered([1, 3])
+    assert sent is not None and sent.tiered_removed == [1, 3] and sent.seq == feed.seq
+    assert sub._queue.qsize() == 2  # the snapshot, then the removal
+    assert feed.tiered.hashes() == [2]
+    assert feed.forget_tiered([]) is None
+    # vLLM writes block 1 again (recomputed, stored through): the Router learns it anew
+    again = feed.publish([st(1, medium="STORAGE")])
+    assert again is not None and again.tiered_stored == [1]

@@ -108,6 +108,12 @@ def test_host_pool_alone_or_under_a_multi_connector_with_nixl() -> None:
         **nixl, "engine_id": "decode-1"}}))
     assert named is not None and named["engine_id"] == "decode-1"  # children inherit it
     assert named["kv_connector_extra_config"]["connectors"] == [nixl, pool]
+    # vLLM's scheduler reads the top connector's failure policy only: a failed NIXL read
+    # (a prefill worker gone after its hand-off) is computed, not the request failed
+    assert pool["kv_load_failure_policy"] == both["kv_load_failure_policy"] == "recompute"
+    strict = kv_transfer_config(a.model_copy(update={"kv_transfer_config": {
+        **nixl, "kv_load_failure_policy": "fail"}}))
+    assert strict is not None and strict["kv_load_failure_policy"] == "fail"  # the user's
 
 
 def test_a_tier_dir_puts_vllms_file_tier_under_the_pool_one_directory_per_codec(
@@ -127,6 +133,11 @@ def test_a_tier_dir_puts_vllms_file_tier_under_the_pool_one_directory_per_codec(
 def test_a_tier_dir_needs_the_pool() -> None:
     with pytest.raises(ValueError, match="kv-offload-dir.*set kv-offload-gib"):
         VllmEngineArgs.model_validate({"model": "m", "kv-offload-dir": "/dev/shm/kv"})
+    with pytest.raises(ValueError, match="kv-offload-dir-gib.*set kv-offload-dir"):
+        VllmEngineArgs.model_validate({"model": "m", "kv-offload-gib": 0.5,
+                                       "kv-offload-dir-gib": 1})
+    with pytest.raises(ValueError, match="kv-offload-dir-gib"):
+        VllmEngineArgs.model_validate({"model": "m", "kv-offload-dir-gib": -1})
 
 
 def test_engine_args_extra_may_not_shadow_typed_keys() -> None:
