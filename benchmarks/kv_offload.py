@@ -120,12 +120,15 @@ def run_setting(setting: str, args: argparse.Namespace, infra: dict[str, Any],
         rounds = []
         load0 = load_average()
         for rnd in range(1, args.rounds + 1):
+            if rnd > 1:
+                time.sleep(args.pause)
             before = pool_metrics(m.group(1))
             out = asyncio.run(one_round(url, prompts, rnd))
             time.sleep(0.5)  # the last step's stats reach the worker's metrics after it
             after = pool_metrics(m.group(1))
             out["worker"] = {k: after[k] - before[k] for k in after}
-            out["worker"]["tier_bytes"] = after["tier_bytes"]  # a gauge
+            for k in ("tier_bytes", "tier_trimmed_blocks"):  # at the trimmer's last pass
+                out["worker"][k] = after[k]
             log.info("setting %s round %d: %s", setting, rnd, out)
             rounds.append(out)
         return {"setting": setting, "pool_gib": pool_gib, "codec": codec or "none",
@@ -139,12 +142,13 @@ def run_setting(setting: str, args: argparse.Namespace, infra: dict[str, Any],
 def markdown(result: dict[str, Any]) -> str:
     a = result["args"]
     runs = result["runs"]
+    pause = f" --pause {a['pause']:g}" if a.get("pause") else ""
     lines = [
         "# Host KV pool: TTFT of prefixes that came back after the engine evicted them",
         "",
         f"`python benchmarks/kv_offload.py --prefixes {a['prefixes']} --prefix-tokens "
         f"{a['prefix_tokens']} --blocks {a['blocks']} --settings {a['settings']} --rounds "
-        f"{a['rounds']}` at {result['when']}, {result['machine']['cpus']} CPUs, Python "
+        f"{a['rounds']}{pause}` at {result['when']}, {result['machine']['cpus']} CPUs, Python "
         f"{result['machine']['python']}.",
         "",
         f"`graphs.agg` served with `dynamo serve` (one vLLM worker, tiny model), the engine's "
@@ -172,7 +176,7 @@ def markdown(result: dict[str, Any]) -> str:
                 "loaded MiB (s)": f"{w['loaded_bytes'] / 2**20:.1f} ({w['load_seconds']:.3f})",
                 "stored MiB": f"{w['stored_bytes'] / 2**20:.1f}",
                 "pool evictions": int(w["evictions"]),
-                "tier MiB at the end (blocks trimmed)": (
+                "tier MiB (blocks trimmed since start) at the last trim": (
                     f"{w.get('tier_bytes', 0) / 2**20:.1f} "
                     f"({int(w.get('tier_trimmed_blocks', 0))})"),
             })
@@ -211,6 +215,8 @@ def main() -> int:
                    help="where the @TIER directories go (a tmpfs: a RAM tier; a disk: a "
                         "disk tier); removed at the end")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--pause", type=float, default=0.0,
+                   help="seconds between rounds (a tier limit is enforced every 5 s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--reserved-cores", type=int, default=1,
                    help="VllmWorker.cpu-reserved-cores in every setting")
