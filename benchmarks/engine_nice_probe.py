@@ -99,7 +99,7 @@ def main() -> int:
     errors = [e for r in runs for e in r["errors"]]
     if errors:
         text += "\nFailures:\n\n" + "\n".join(f"- {e}" for e in errors) + "\n"
-    write_results(args.name, {"runs": runs, "machine": machine_info(), **vars(args)}, text)
+    write_results(args.name, {**vars(args), "runs": runs, "machine": machine_info()}, text)
     print(text)
     return 0
 

@@ -153,8 +153,14 @@ class LeaseKeeper:
         conn: http.client.HTTPConnection | None = None
         delay, backoff = self._interval, BACKOFF_START
         failing_since: float | None = None
+        woke = time.monotonic()
         try:
             while not self._stop.wait(delay):
+                late = time.monotonic() - woke - delay
+                if late > self._interval:
+                    log.warning("lease keepalive woke %.2fs late (the process or its GIL "
+                                "was busy)", late)
+                woke = time.monotonic()
                 due = self._due()
                 if not due:
                     continue

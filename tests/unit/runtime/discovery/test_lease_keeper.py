@@ -158,3 +158,28 @@ def test_leases_a_cut_short_reply_left_out_are_asked_for_again(gateway: Gateway)
         k.stop(2)
     assert events == []
     assert {s.split()[1] for s in gateway.seen} == {"0", "1", "2", "3", "4"}
+
+
+def test_a_keeper_that_ran_late_says_so(gateway: Gateway,
+                                        caplog: pytest.LogCaptureFixture) -> None:
+    """A process too busy to run the keeper for a while (here: one lease lookup that takes
+    ten intervals) is named in the log before etcd expires its leases."""
+    calls = 0
+    stalled = threading.Event()
+
+    def lease() -> int:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            stalled.wait(0.2)  # nothing sets it: the stall itself
+        return 42
+
+    k = LeaseKeeper([gateway.endpoint], interval=0.02, timeout=1.0)
+    k.add(lease, on_lost=lambda _: None, on_unsupported=lambda _: None)
+    with caplog.at_level("WARNING", logger=_lease_keeper.__name__):
+        k.start()
+        try:
+            wait_until(lambda: k.refreshes >= 3, 5, "3 refreshes", 0.01)
+        finally:
+            k.stop(2)
+    assert any("woke" in r.message and "late" in r.message for r in caplog.records)
