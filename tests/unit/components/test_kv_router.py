@@ -19,6 +19,7 @@ from dynagraph.sdk import RuntimeContext
 from tests.support.poll import until
 
 A, B = 0xA1, 0xB2
+C, D = 0xC, 0xD
 BS = 4
 hasher = BlockHasher(BS)
 
@@ -49,7 +50,6 @@ def test_kv_mode_prefers_the_worker_holding_the_prefix() -> None:
 
 
 def test_pooled_blocks_are_priced_between_on_engine_and_uncached() -> None:
-    C = 0xC
     s = state_with(A, B, C)
     blocks = hasher.block_hashes(prompt(1, 8))
     s.apply(A, RelayBatch(seq=1, snapshot=True, stored=blocks[:2]))  # 2 on the engine
@@ -68,13 +68,17 @@ def test_pooled_blocks_are_priced_between_on_engine_and_uncached() -> None:
     assert s.pooled_beyond(blocks, {}) == {C: 6}
 
 
-def test_a_shared_tier_prices_what_any_worker_of_that_tier_wrote() -> None:
-    C, D = 0xC, 0xD
+def tier_fleet() -> tuple[RouterState, list[int]]:
+    """A, B and C share one host's tier; D names the same directory on another host."""
     s = state_with(A, B, C, D)
-    blocks = hasher.block_hashes(prompt(1, 8))
     for w in (A, B, C):
         s.set_tier(w, "host-1:/dev/shm/kv/none")
-    s.set_tier(D, "host-2:/dev/shm/kv/none")  # the same directory on another host
+    s.set_tier(D, "host-2:/dev/shm/kv/none")
+    return s, hasher.block_hashes(prompt(1, 8))
+
+
+def test_a_shared_tier_prices_what_any_worker_of_that_tier_wrote() -> None:
+    s, blocks = tier_fleet()
     s.apply(A, RelayBatch(seq=1, snapshot=True, stored=blocks[:2], pooled_stored=blocks[:4],
                           tiered_stored=blocks[:4]))
     s.apply(B, RelayBatch(seq=1, snapshot=True, tiered_stored=blocks))  # B wrote all 8
@@ -94,12 +98,7 @@ def test_a_shared_tier_prices_what_any_worker_of_that_tier_wrote() -> None:
 
 
 def test_blocks_trimmed_from_a_shared_tier_are_gone_for_every_worker_of_it() -> None:
-    C, D = 0xC, 0xD
-    s = state_with(A, B, C, D)
-    blocks = hasher.block_hashes(prompt(1, 8))
-    for w in (A, B, C):
-        s.set_tier(w, "host-1:/dev/shm/kv/none")
-    s.set_tier(D, "host-2:/dev/shm/kv/none")
+    s, blocks = tier_fleet()
     s.apply(A, RelayBatch(seq=1, snapshot=True, tiered_stored=blocks[:4]))
     s.apply(B, RelayBatch(seq=1, snapshot=True, tiered_stored=blocks))
     s.apply(D, RelayBatch(seq=1, snapshot=True, tiered_stored=blocks))
