@@ -67,8 +67,8 @@ def one_graph(nice: int, requests: int, tokens: int) -> dict[str, Any]:
                     errors.append(f"{r.status_code}: {r.text[:200]}")
             served = server.lines[ready_at:]
             lost = sum(LEASE_LOST in line for line in served)
-            lost_by = sorted({line.split("]")[0].lstrip("[") for line in served
-                              if LEASE_LOST in line})
+            lost_by = sorted({line.split("]")[0].lstrip("[") if line.startswith("[")
+                              else "dynamo serve" for line in served if LEASE_LOST in line})
             keepalive = [line for line in served if "lease keepalive" in line][:10]
         finally:
             server.stop()
