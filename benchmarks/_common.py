@@ -16,9 +16,11 @@ import logging
 import math
 import os
 import platform
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -187,8 +189,13 @@ class ManagedProcess:
     """
 
     def __init__(self, args: list[str], env: dict[str, str], *, cwd: Path = REPO,
-                 name: str = "server") -> None:
+                 name: str = "server", own_tmpdir: bool = False) -> None:
         self.name = name
+        # own_tmpdir: a TMPDIR of its own, removed by stop() (vLLM's server leaves its IPC
+        # sockets and a vllm_dist_* file in /tmp when it is stopped)
+        self.tmpdir = tempfile.mkdtemp(prefix="bench-tmp-") if own_tmpdir else None
+        if self.tmpdir is not None:
+            env = {**env, "TMPDIR": self.tmpdir}
         self.proc = subprocess.Popen(
             args, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, start_new_session=True,
@@ -255,6 +262,8 @@ class ManagedProcess:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=5)
         self._reader.join(timeout=5)
+        if self.tmpdir is not None:
+            shutil.rmtree(self.tmpdir, ignore_errors=True)
         return self.proc.returncode, took
 
 

@@ -128,7 +128,7 @@ def start_vllm(model: Path, args: argparse.Namespace) -> tuple[ManagedProcess, s
            "--block-size", "32", "--max-model-len", str(args.max_model_len),
            "--max-num-seqs", str(args.max_num_seqs), "--enforce-eager", "--seed", "0",
            "--disable-log-stats", "--disable-uvicorn-access-log"]
-    proc = ManagedProcess(cmd, _env(), name="vllm api_server")
+    proc = ManagedProcess(cmd, _env(), name="vllm api_server", own_tmpdir=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + args.start_timeout
     try:
