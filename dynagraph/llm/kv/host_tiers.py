@@ -18,7 +18,8 @@ vLLM's tier never deletes a file: ``kv-offload-dir-gib`` has the workers trim th
 directory to a limit (:mod:`dynagraph.llm.kv.tier_trim`); without one its owner clears
 it. The engine's arguments name the tier (``vllm_engine.kv_transfer_config``): blocks
 stored with a codec (``kv-compression``) live in a subdirectory named after it, so
-workers with different codecs never read each other's bytes. Imports vLLM: load it only inside an engine process.
+workers with different codecs never read each other's bytes. Imports vLLM: load it only
+inside an engine process.
 """
 
 from __future__ import annotations

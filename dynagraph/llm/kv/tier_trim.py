@@ -36,13 +36,13 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 
 from dynagraph.llm.kv.relay import KvEventFeed
+from dynagraph.llm.router.hashing import external_hash
 from dynagraph.observability.metrics import counter, gauge
 
 log = logging.getLogger(__name__)
 
 LOCK_NAME = ".dynagraph-trim.lock"
 BLOCK_SUFFIX = ".bin"
-_HASH_HEX = 16  # the low 64 bits of a block hash, as the Router keeps it
 
 
 @dataclass
@@ -60,9 +60,8 @@ def block_hash_of(name: str) -> int | None:
     """The Router's hash of the block a tier file holds (None: not a block file)."""
     if not name.endswith(BLOCK_SUFFIX):
         return None
-    stem = name[: -len(BLOCK_SUFFIX)]
     try:
-        return int(stem[-_HASH_HEX:], 16) if len(stem) >= _HASH_HEX else None
+        return external_hash(bytes.fromhex(name[: -len(BLOCK_SUFFIX)]))
     except ValueError:
         return None
 

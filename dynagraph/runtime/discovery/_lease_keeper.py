@@ -158,8 +158,8 @@ class LeaseKeeper:
             while not self._stop.wait(delay):
                 late = time.monotonic() - woke - delay
                 if late > self._interval:
-                    log.warning("lease keepalive woke %.2fs late (the process or its GIL "
-                                "was busy)", late)
+                    log.warning("lease keepalive woke %.2fs late (its process was busy, "
+                                "or etcd slow to answer the last refresh)", late)
                 woke = time.monotonic()
                 due = self._due()
                 if not due:
