@@ -8,17 +8,19 @@ transfer from the decode worker's own metrics (``dynamo_worker_kv_transfer_secon
 client sees (streamed completion). Prompts are fresh (no prefix-cache hits); the first
 request of each size is a warm-up (NIXL handshake and connection wire-up).
 
-``--transports nixl,shm,shm:int8`` serves the graph once per transport. ``shm``
-(``kv-transport: shm``, ``dynagraph.llm.kv.shm_transport``): decode and prefill worker
-share a KV tier on /dev/shm, and the decode worker's transfer is what it reads: tier ->
-pool (``dynamo_worker_kv_tier_read_*``) plus pool -> engine
+``--transports nixl,shm,tier,tier:int8`` serves the graph once per transport. ``shm``
+(``kv-transport: shm``, ``dynagraph.llm.kv.shm_direct``): both engines' KV caches in
+shared memory, the decode engine copies the prefill engine's blocks (read from the same
+metrics as NIXL's). ``tier`` (``kv-transport: tier``, ``dynagraph.llm.kv.shm_transport``):
+decode and prefill worker share a KV tier on /dev/shm, and the decode worker's transfer is
+what it reads: tier -> pool (``dynamo_worker_kv_tier_read_*``) plus pool -> engine
 (``dynamo_worker_kv_pool_load_seconds_total``, ``..._loaded_bytes_total``); the prefill
-side's write-through happens before the hand-off and is in the TTFT only; ``shm:CODEC``
+side's write-through happens before the hand-off and is in the TTFT only; ``tier:CODEC``
 stores the blocks compressed (``kv-compression``), so they move compressed (``kv_bytes``
 is then the encoded size). Each size's
 memcpy of the same bytes (numpy, this process) is measured in the same run.
 
-    python benchmarks/disagg_served.py --requests 8 [--transports nixl,shm]
+    python benchmarks/disagg_served.py --requests 8 [--transports nixl,shm,tier]
 """
 
 from __future__ import annotations
@@ -65,21 +67,27 @@ def scrape(address: str) -> dict[str, float]:
 
 def as_transfer(transport: str, moved: dict[str, float]) -> tuple[float, float, float]:
     """(transfers, seconds, bytes) of one request's KV hand-off, read on the decode side."""
-    if transport.startswith("shm"):
+    if transport.startswith("tier"):
         seconds = moved[SHM_SERIES[0]] + moved[SHM_SERIES[1]]
         return float(moved[SHM_SERIES[3]] > 0), seconds, moved[SHM_SERIES[2]]
     return moved[SERIES[2]], moved[SERIES[0]], moved[SERIES[1]]
 
 
-def memcpy_gib_per_s(nbytes: int, repeats: int = 20) -> float:
+def memcpy_gib_per_s(nbytes: int, repeats: int = 20, cold: bool = False) -> float:
+    """numpy's copy of ``nbytes``: the same two buffers again and again (``cold=False``:
+    at 2 MiB they stay in the CPU's caches), or a fresh pair each time from 256 MiB of
+    touched memory (``cold``: the bytes come from memory, as a KV transfer's do)."""
     import numpy as np
 
-    src = np.ones(max(nbytes, 1), dtype=np.uint8)
-    dst = np.empty_like(src)
+    n = max(nbytes, 1)
+    pairs = 1 if not cold else max(1, (256 << 20) // (2 * n))
+    src = np.ones(n * pairs, dtype=np.uint8)
+    dst = np.zeros_like(src)
     times = []
-    for _ in range(repeats):
+    for i in range(repeats):
+        k = (i % pairs) * n
         began = time.perf_counter()
-        np.copyto(dst, src)
+        np.copyto(dst[k:k + n], src[k:k + n])
         times.append(time.perf_counter() - began)
     return nbytes / statistics.median(times) / 2**30
 
@@ -94,12 +102,14 @@ def run(requests: int, transport: str = "nixl") -> list[dict[str, Any]]:
         cmd = [sys.executable, "-m", "dynagraph.cli.main", "serve", "graphs.disagg:Frontend",
                "-f", "configs/disagg.yaml", f"--Frontend.port={port}", f"--Common.model={model_dir}"]
         tier = None
-        if transport.startswith("shm"):  # shm or shm:CODEC (the blocks move compressed)
+        if transport.startswith("tier"):  # tier or tier:CODEC (the blocks move compressed)
             tier = tempfile.mkdtemp(prefix="disagg-served-kv-", dir="/dev/shm")
             codec = transport.partition(":")[2] or "none"
             cmd += [f"--{c}.{k}" for c in ("VllmWorker", "PrefillWorker") for k in (
-                "kv-offload-gib=0.2", f"kv-offload-dir={tier}", "kv-transport=shm",
+                "kv-offload-gib=0.2", f"kv-offload-dir={tier}", "kv-transport=tier",
                 f"kv-compression={codec}")]
+        elif transport != "nixl":  # shm
+            cmd += [f"--{c}.kv-transport={transport}" for c in ("VllmWorker", "PrefillWorker")]
         server = bench.ManagedProcess(cmd, env, name=f"disagg-{transport}")
         try:
             banner, _ = server.wait_line(lambda s: "VllmWorker[0] pid=" in s, 300)
@@ -114,7 +124,7 @@ def run(requests: int, transport: str = "nixl") -> list[dict[str, Any]]:
                     first, tokens = bench.completion_ttft(url, prompt)
                     after = before
                     deadline = time.monotonic() + 5
-                    count = SHM_SERIES[3] if transport.startswith("shm") else SERIES[2]
+                    count = SHM_SERIES[3] if transport.startswith("tier") else SERIES[2]
                     while after[count] == before[count] and time.monotonic() < deadline:
                         time.sleep(0.02)  # the engine reports a transfer after its step
                         after = scrape(m.group(1))
@@ -152,13 +162,16 @@ def summarize(rows: list[dict[str, Any]], raw: dict[str, float],
                          "tier_read_ms", "pool_load_ms", "prefill_ms", "hand_off_ms")
                if all(k in r for r in rs)}
         memcpy = memcpy_gib_per_s(int(med["kv_bytes"]))
+        cold = memcpy_gib_per_s(int(med["kv_bytes"]), cold=True)
         out.append({"transport": transport, "prompt": label, "requests": len(rs),
                     **{k: round(v, 3) for k, v in med.items()},
                     "kv_transfer_ms_min": round(min(r["kv_transfer_ms"] for r in rs), 3),
                     "raw_nixl_gib_per_s": raw.get(label),
                     "ratio_to_raw": round(med["gib_per_s"] / raw[label], 3) if raw.get(label) else None,
                     "memcpy_gib_per_s": round(memcpy, 2),
-                    "ratio_to_memcpy": round(med["gib_per_s"] / memcpy, 3)})
+                    "ratio_to_memcpy": round(med["gib_per_s"] / memcpy, 3),
+                    "cold_memcpy_gib_per_s": round(cold, 2),
+                    "ratio_to_cold_memcpy": round(med["gib_per_s"] / cold, 3)})
     return out
 
 
@@ -166,7 +179,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--transports", default="nixl",
-                    help="comma-separated: nixl, shm, shm:CODEC (e.g. shm:int8)")
+                    help="comma-separated: nixl, shm, tier, tier:CODEC (e.g. tier:int8)")
     ap.add_argument("--name", default="disagg_served")
     args = ap.parse_args()
     transports = args.transports.split(",")
@@ -177,7 +190,8 @@ def main() -> int:
     summary = [s for t in transports for s in summarize(rows, raw, t)]
     cols = ["transport", "prompt", "requests", "tokens", "kv_bytes", "kv_transfer_ms",
             "kv_transfer_ms_min", "gib_per_s", "raw_nixl_gib_per_s", "ratio_to_raw",
-            "memcpy_gib_per_s", "ratio_to_memcpy", "tier_read_ms", "pool_load_ms", "prefill_ms",
+            "memcpy_gib_per_s", "ratio_to_memcpy", "cold_memcpy_gib_per_s",
+            "ratio_to_cold_memcpy", "tier_read_ms", "pool_load_ms", "prefill_ms",
             "hand_off_ms", "ttft_ms"]
     table = bench.markdown_table(cols, summary)
     text = ("# KV transfers as served (graphs.disagg), medians\n\n"
@@ -186,8 +200,10 @@ def main() -> int:
             "graphs.disagg` with configs/disagg.yaml on the tiny model; transfer time and bytes "
             "from the decode worker's `dynamo_worker_kv_transfer_*` metrics per request; TTFT "
             "as the HTTP client sees it (streamed, 4 tokens). Raw NIXL: "
-            "`benchmarks/nixl_raw.py`, kv-blocks layout. shm: the decode worker's tier read "
-            "plus pool load (see the script's doc); memcpy: numpy, same bytes, same run. "
+            "`benchmarks/nixl_raw.py`, kv-blocks layout. shm: the decode engine's copy from the "
+            "prefill engine's shared KV cache; tier: the decode worker's tier read "
+            "plus pool load (see the script's doc); memcpy: numpy, same bytes, same run, the "
+            "same buffers each time (cache-resident at 1k) and cold (fresh buffers each time). "
             "Provisional: shared 2-core VM.\n\n"
             + "\n".join(table) + "\n")
     data = {"summary": summary, "rows": rows, "machine": bench.machine_info()}

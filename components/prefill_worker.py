@@ -87,7 +87,8 @@ class PrefillWorker(Component):
         engine_id = f"{self.runtime.component}-{self.runtime.instance_id:x}"
         kv_cfg, self.nixl = prepare_nixl("kv_producer", engine_id=engine_id,
                                          base=config.kv_transfer_config,
-                                         progress_delay_us=config.nixl_progress_delay_us)
+                                         progress_delay_us=config.nixl_progress_delay_us,
+                                         shared_memory=config.shared_kv_memory)
         self.engine = VllmEngine(config.model_copy(update={"kv_transfer_config": kv_cfg}))
         self.queue: NatsPrefillQueue | None = None
         self.faults = self.LIVE_SETTINGS.bind(PrefillFaults(), self.runtime.settings_prefix())
@@ -125,7 +126,7 @@ class PrefillWorker(Component):
             hold_s=lambda: self.faults.current.hold_before_reply_s,
             observer=PrefillQueueMetrics(rt.registry),
             tier=(offer(self.config.kv_offload_dir, self.config.kv_compression)
-                  if self.config.kv_transport != "nixl" else None),
+                  if self.config.through_tier else None),
             hasher=self.hasher,
         )
         self._tasks = [

@@ -33,6 +33,9 @@ REMOTE_TIMEOUT = 10.0
 ACK_WAIT = 3.0
 """The shipped config's values: a dead prefill worker's job is redelivered in time."""
 MAX_TOKENS = 16
+NIXL_ONLY = ["--VllmWorker.kv-transport=nixl", "--PrefillWorker.kv-transport=nixl"]
+"""The shipped configs copy a same-host prefill's KV (``kv-transport: auto``): this graph
+tests the NIXL READ (``tests/e2e_disagg_shm`` the copies)."""
 WORDS = [f"{a}{b}" for a in ("ka", "lo", "mi", "su", "te", "ra", "no", "vi") for b in
          ("n", "sh", "p", "t", "r", "m", "l", "x")]
 
@@ -135,7 +138,7 @@ def disagg_graph(model_dir: Path, infra: tuple[LocalService, LocalService],
                  f"--VllmWorker.max-local-prefill-length={THRESHOLD}",
                  f"--VllmWorker.remote-prefill-timeout={REMOTE_TIMEOUT}",
                  f"--Common.prefill-queue-ack-wait={ACK_WAIT}",
-                 "--PrefillWorker.ServiceArgs.workers=2"], env) as sp:
+                 *NIXL_ONLY, "--PrefillWorker.ServiceArgs.workers=2"], env) as sp:
         banner = sp.wait_for_line("VllmWorker[0] pid=")
         m = re.search(r"metrics=(\S+)", banner)
         assert m is not None, banner

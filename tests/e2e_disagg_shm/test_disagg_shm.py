@@ -1,32 +1,37 @@
-"""``kv-transport: shm``: a remote prefill's KV reaches the decode worker through the KV
-tier both share on /dev/shm, not NIXL, and the greedy output equals the agg graph's."""
+"""``kv-transport: shm``: a remote prefill's KV reaches the decode engine as copies from
+the prefill engine's shared KV cache, and the greedy output equals the agg graph's."""
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 
+from dynagraph.llm.kv.shm_direct import MANIFEST_DIR, MANIFEST_PREFIX
 from tests.e2e_disagg.conftest import PROMPTS, THRESHOLD, DisaggGraph, complete, text_of
 from tests.support.greedy import Greedy, assert_agrees
+from tests.support.kvmem import kv_memfd_inodes
 from tests.support.metrics import scrape, total
 
 pytestmark = [pytest.mark.nixl, pytest.mark.vllm]
 
 BLOCK = 32
+BLOCK_BYTES = 64 * 1024  # the tiny model: 4 layers x K,V x 2 heads x 64 x bf16 x 32 tokens
 REMOTE = 'dynamo_worker_prefill_requests_total{reason="long-prompt",where="remote"}'
-NIXL_BYTES = "vllm:nixl_bytes_transferred_sum{}"
 
 
-def tier_hits(g: DisaggGraph) -> float:
-    return total(scrape(g.worker_metrics), "dynamo_worker_kv_tier_hit_tokens_total")
+def transferred(g: DisaggGraph) -> tuple[float, float]:
+    text = scrape(g.worker_metrics)
+    return (total(text, "dynamo_worker_kv_transfers_total"),
+            total(text, "dynamo_worker_kv_transfer_bytes_total"))
 
 
-def test_greedy_output_equals_agg_and_the_kv_comes_through_the_shared_tier(
+def test_greedy_output_equals_agg_and_the_kv_is_copied_from_the_prefill_engine(
         shm_graph: DisaggGraph, agg_reference: dict[str, Greedy]) -> None:
     remote = 0
     for p in PROMPTS:
-        before, hits = shm_graph.metrics(), tier_hits(shm_graph)
+        before, (count, nbytes) = shm_graph.metrics(), transferred(shm_graph)
         body = complete(shm_graph.url, p.text)
         usage = body["usage"]
         assert isinstance(usage, dict)
@@ -36,10 +41,16 @@ def test_greedy_output_equals_agg_and_the_kv_comes_through_the_shared_tier(
             continue
         remote += 1
         deadline = time.monotonic() + 5  # the step's stats reach the metrics just after it
-        while tier_hits(shm_graph) - hits < (n // BLOCK - 1) * BLOCK:
-            assert time.monotonic() < deadline, (n, tier_hits(shm_graph) - hits)
+        while transferred(shm_graph)[0] == count:
+            assert time.monotonic() < deadline, n
             time.sleep(0.05)
+        moved = transferred(shm_graph)[1] - nbytes
+        assert moved >= (n // BLOCK - 1) * BLOCK_BYTES, (n, moved)
         after = shm_graph.metrics()
         assert after.get(REMOTE, 0) - before.get(REMOTE, 0) == 1, (n, before, after)
-        assert after.get(NIXL_BYTES, 0) == before.get(NIXL_BYTES, 0), (n, before, after)
     assert remote >= 10
+    # the copies' evidence: both engines published their caches, and one process (the
+    # decode engine) maps two of them, its own and the prefill engine's
+    assert len(list(Path(MANIFEST_DIR).glob(f"{MANIFEST_PREFIX}*.json"))) >= 2
+    maps = kv_memfd_inodes(shm_graph.proc.pid)
+    assert len(maps) >= 2 and max(len(v) for v in maps.values()) == 2, maps

@@ -160,7 +160,11 @@ def three_host_graph(model_dir: Path, overrides: Sequence[str] = (), *,
         etcd_url, nats_url = start_infra(front, stack)
         args = [GRAPH, "-f", CONFIG, f"--Common.model={model_dir}",
                 f"--Frontend.host={front.addr}", f"--Frontend.port={FRONTEND_PORT}",
-                "--VllmWorker.conditional-disagg=false", *overrides]
+                "--VllmWorker.conditional-disagg=false",
+                # namespaces of one machine share its boot id and memory: kv-transport auto
+                # would copy the KV; these tests are about NIXL between hosts
+                "--VllmWorker.kv-transport=nixl", "--PrefillWorker.kv-transport=nixl",
+                *overrides]
         g = ThreeHostGraph(lab, etcd_url, nats_url, f"http://{front.addr}:{FRONTEND_PORT}")
         # The serves' temp files (vLLM's engine IPC sockets and vllm_dist_* files, which
         # it leaves in /tmp) go here; removed after the serves stopped (callbacks unwind

@@ -100,7 +100,8 @@ class DecodeDisagg:
             return None
         engine_id = f"{runtime.component}-{runtime.instance_id:x}"
         kv_cfg, nixl = prepare_nixl("kv_consumer", engine_id=engine_id, base=base_kv_config,
-                                    progress_delay_us=keys.nixl_progress_delay_us)
+                                    progress_delay_us=keys.nixl_progress_delay_us,
+                                    shared_memory=keys.shared_kv_memory)
         return cls(keys, runtime, prefill, kv_cfg, nixl)
 
     @classmethod
@@ -112,7 +113,7 @@ class DecodeDisagg:
         return cls(keys, runtime, prefill, {}, None)
 
     def engine_args(self, args: A) -> A:
-        if self.keys.kv_transport != "nixl":
+        if self.keys.through_tier:
             self.tier = offer(args.kv_offload_dir, args.kv_compression)
         return args.model_copy(update={"kv_transfer_config": self.kv_transfer_config})
 

@@ -31,23 +31,35 @@ class DisaggWorkerKeys(ConfigModel):
     nixl_progress_delay_us: int = Field(default=DEFAULT_DELAY_US, ge=0,
                                         description=PROGRESS_DELAY_DOC)
     """See ``dynagraph.llm.kv.nixl_quiet``."""
-    kv_transport: Literal["auto", "nixl", "shm"] = "nixl"
-    """How a remote prefill's KV reaches the decode worker (``dynagraph.llm.kv.
-    shm_transport``): ``nixl`` (default) always over NIXL, ``shm`` through the
-    ``kv-offload-dir`` tier that both workers share on one host, ``auto`` through the tier
-    when the two workers share one, else NIXL. ``shm`` needs ``kv-offload-dir`` (on a
-    tmpfs); a job a prefill worker cannot hand over through the tier goes over NIXL. NIXL
-    is the default because it measured faster here (``benchmarks/results/
-    disagg_served_shm.md``: the tier moves a block per file)."""
+    kv_transport: Literal["auto", "nixl", "shm", "tier"] = "nixl"
+    """How a remote prefill's KV reaches the decode worker. ``nixl`` (default): a NIXL
+    READ. ``shm`` / ``auto``: each engine's KV cache lives in shared memory, and a decode
+    engine reads a same-host prefill engine's blocks with ``memcpy`` (``dynagraph.llm.kv.
+    shm_direct``); a peer on another host, or one that is not in shared memory, is read
+    over NIXL (``auto`` and ``shm`` do the same). Set it on both workers. ``tier``: through
+    the ``kv-offload-dir`` tier both workers share (``dynagraph.llm.kv.shm_transport``;
+    needs ``kv-offload-dir`` on a tmpfs; a job a prefill worker cannot hand over through
+    the tier goes over NIXL): slower than ``shm`` (a file per block), for hosts where
+    NIXL does not work (``benchmarks/results/disagg_served_shm.md``)."""
 
     @model_validator(mode="after")
-    def _shm_needs_a_tier(self) -> DisaggWorkerKeys:
+    def _tier_needs_a_tier(self) -> DisaggWorkerKeys:
         # kv-offload-dir is an engine key: the worker configs that mix these keys in have it
-        if self.kv_transport == "shm" and not getattr(self, "kv_offload_dir", None):
-            raise ValueError("kv-transport shm moves the KV through the kv-offload-dir tier "
+        if self.kv_transport == "tier" and not getattr(self, "kv_offload_dir", None):
+            raise ValueError("kv-transport tier moves the KV through the kv-offload-dir tier "
                              "(with kv-offload-gib): set both, the tier on a tmpfs such as "
-                             "/dev/shm")
+                             "/dev/shm (or kv-transport shm: no tier needed)")
         return self
+
+    @property
+    def shared_kv_memory(self) -> bool:
+        """The engine's KV cache in shared memory, same-host READs as copies."""
+        return self.kv_transport in ("shm", "auto")
+
+    @property
+    def through_tier(self) -> bool:
+        """Remote prefills hand over through the shared tier (``shm_transport``)."""
+        return self.kv_transport == "tier"
 
 
 class DecodeDisaggKeys(DisaggWorkerKeys, DisaggConfig):

@@ -17,6 +17,10 @@ module path; the class keeps the name ``NixlConnector`` so vLLM's own
 The delay comes from ``DYNAGRAPH_NIXL_PROGRESS_DELAY_US`` (set by
 ``nixl_side.prepare_nixl`` from ``nixl-progress-delay-us``; default 10000; 0 keeps
 NIXL's busy-spin).
+
+With ``DYNAGRAPH_KV_SHM=1`` (``kv-transport: shm`` or ``auto``) the engine's KV cache is
+allocated in shared memory and published, and its READs from same-host peers that did
+the same are copies (``dynagraph.llm.kv.shm_direct``).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
     NixlConnector as _VllmNixlConnector,
 )
 
+from dynagraph.llm.kv import shm_direct
 from dynagraph.llm.kv.nixl_side import delayed_agent_config, progress_delay_from_env
 
 log = logging.getLogger(__name__)
@@ -57,6 +62,29 @@ def install(environ: Any = os.environ) -> int:
 install()
 
 
+def _shared_kv_allocation() -> None:
+    """vLLM's KV cache allocation, its buffer moved to a memfd before anything views it."""
+    from vllm.v1.worker import gpu_model_runner as runner
+
+    allocate = getattr(runner, "allocate_kv_cache")  # noqa: B009  (imported there, not exported)
+    if getattr(allocate, "__dynagraph_shm__", False):
+        return
+
+    def allocate_shared(*args: Any, **kwargs: Any) -> Any:
+        kv_caches = allocate(*args, **kwargs)
+        region = shm_direct.rehome(kv_caches)
+        if region is not None:
+            log.info("KV cache in shared memory (%.2f GiB)", region.nbytes / 2**30)
+        return kv_caches
+
+    allocate_shared.__dynagraph_shm__ = True  # type: ignore[attr-defined]
+    setattr(runner, "allocate_kv_cache", allocate_shared)  # noqa: B010
+
+
+if shm_direct.enabled():
+    _shared_kv_allocation()
+
+
 LISTENER_JOIN_S = 1.5
 
 
@@ -68,6 +96,13 @@ class NixlConnector(_VllmNixlConnector):
     force-killed on exit.
     """
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._published: str | None = None
+        worker = getattr(self, "connector_worker", None)
+        if worker is not None and shm_direct.enabled():
+            worker.nixl_wrapper = shm_direct.ShmNixl(worker.nixl_wrapper)
+
     def shutdown(self) -> None:
         sched = getattr(self, "connector_scheduler", None)
         listener = getattr(sched, "_nixl_handshake_listener_t", None)
@@ -75,4 +110,18 @@ class NixlConnector(_VllmNixlConnector):
             sched._stop_event.set()
             listener.join(timeout=LISTENER_JOIN_S)
             sched._nixl_handshake_listener_t = None
+        if self._published is not None:
+            shm_direct.withdraw(self._published)
+            self._published = None
         super().shutdown()  # type: ignore[no-untyped-call]  # vLLM's method is unannotated
+
+    def register_kv_caches(self, kv_caches: Any) -> None:
+        super().register_kv_caches(kv_caches)
+        worker = getattr(self, "connector_worker", None)
+        if worker is None or not shm_direct.enabled():
+            return
+        regions = shm_direct.regions_of(t.data_ptr() for t in kv_caches.values())
+        if regions:
+            agent = str(worker.nixl_wrapper.name)
+            shm_direct.publish(agent, regions)
+            self._published = agent

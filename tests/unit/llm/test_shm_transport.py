@@ -112,7 +112,10 @@ async def test_a_prefill_worker_hands_over_through_the_tier_only_when_both_share
         assert engine.calls[0][2] == {"do_remote_decode": True}
 
 
-def test_kv_transport_shm_needs_a_tier() -> None:
-    with pytest.raises(ValueError, match="kv-transport shm.*kv-offload-dir"):
-        DecodeDisaggKeys.model_validate({"kv-transport": "shm"})
-    assert DecodeDisaggKeys.model_validate({"kv-transport": "auto"}).kv_transport == "auto"
+def test_kv_transport_tier_needs_a_tier_and_shm_does_not() -> None:
+    with pytest.raises(ValueError, match="kv-transport tier.*kv-offload-dir"):
+        DecodeDisaggKeys.model_validate({"kv-transport": "tier"})
+    for transport, shared, tier in (("auto", True, False), ("shm", True, False),
+                                    ("nixl", False, False)):
+        keys = DecodeDisaggKeys.model_validate({"kv-transport": transport})
+        assert (keys.shared_kv_memory, keys.through_tier) == (shared, tier), transport
