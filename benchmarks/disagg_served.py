@@ -108,7 +108,7 @@ def run(requests: int, transport: str = "nixl") -> list[dict[str, Any]]:
             cmd += [f"--{c}.{k}" for c in ("VllmWorker", "PrefillWorker") for k in (
                 "kv-offload-gib=0.2", f"kv-offload-dir={tier}", "kv-transport=tier",
                 f"kv-compression={codec}")]
-        elif transport != "nixl":  # shm
+        else:  # nixl or shm (the shipped config says auto)
             cmd += [f"--{c}.kv-transport={transport}" for c in ("VllmWorker", "PrefillWorker")]
         server = bench.ManagedProcess(cmd, env, name=f"disagg-{transport}")
         try:

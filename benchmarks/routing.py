@@ -180,13 +180,17 @@ def _metric(text: str, name: str) -> float:
 
 
 async def worker_counters(disc: EtcdDiscovery) -> dict[int, dict[str, float]]:
-    """Per worker: prefix-cache queries and hits (tokens), from its /metrics."""
+    """Per worker: prefix-cache queries and hits (tokens), and the tokens its host KV pool
+    supplied (``pool_hits``; of them from the shared tier: ``tier_hits``), from its
+    /metrics."""
     out: dict[int, dict[str, float]] = {}
     for key, rec in (await disc.get_prefix("/dynamo/instances/VllmWorker/")).items():
         text = await _get(f"http://{rec['metrics']}/metrics")
         out[int(key.rsplit("/", 1)[1], 16)] = {
             "queries": _metric(text, "dynamo_worker_prefix_cache_queries_total"),
             "hits": _metric(text, "dynamo_worker_prefix_cache_hits_total"),
+            "pool_hits": _metric(text, "dynamo_worker_kv_pool_hit_tokens_total"),
+            "tier_hits": _metric(text, "dynamo_worker_kv_tier_hit_tokens_total"),
         }
     return out
 
@@ -268,6 +272,8 @@ async def run_one(url: str, disc: EtcdDiscovery, a: argparse.Namespace, workload
     decisions_after = await router_metrics(disc)
     q = sum(after[w]["queries"] - before.get(w, {}).get("queries", 0) for w in after)
     h = sum(after[w]["hits"] - before.get(w, {}).get("hits", 0) for w in after)
+    pool, tier = (sum(after[w][k] - before.get(w, {}).get(k, 0) for w in after)
+                  for k in ("pool_hits", "tier_hits"))
     by_label: dict[str, list[float]] = {}
     for r, label in zip(results, labels, strict=True):
         if r.error is None and r.chunk_times:
@@ -280,6 +286,7 @@ async def run_one(url: str, disc: EtcdDiscovery, a: argparse.Namespace, workload
         "ttft_ms": {k: ttft_summary(v) for k, v in by_label.items()},
         "ttft_samples_ms": {k: [round(x, 2) for x in v] for k, v in by_label.items()},
         "hit_rate": h / q if q else 0.0, "ideal_hit_rate": ideal,
+        "pool_hit_rate": pool / q if q else 0.0, "tier_hit_rate": tier / q if q else 0.0,
         "errors": len(errors), "first_error": errors[0] if errors else None,
         "wall_s": wall, "requests": len(results),
         "decisions": {k: decisions_after.get(k, 0) - decisions_before.get(k, 0)
@@ -365,8 +372,9 @@ def markdown(result: dict[str, Any]) -> str:
         }[w] for w in a["workloads"].split(",")) + ".",
         "",
         "| round | workload | mode | TTFT ms (mean / p50 / p99) | repeats mean ms | hit rate "
-        "(ideal) | decisions per worker | errors | load avg | wall s |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "(ideal) | from host pool (of it tier) | decisions per worker | errors | load avg | "
+        "wall s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in result["runs"]:
         main = next((k for k in ("unique", "group", "first") if k in r["ttft_ms"]), None)
@@ -378,7 +386,9 @@ def markdown(result: dict[str, Any]) -> str:
             + (f"{main}: {t['mean']:.0f} / {t['p50']:.0f} / {t['p99']:.0f}" if t else "-")
             + (f" | {rep['mean']:.0f}" if rep else " | -")
         )
-        lines[-1] += (f" | {r['hit_rate']:.3f} ({r['ideal_hit_rate']:.3f}) | {per_worker} | "
+        lines[-1] += (f" | {r['hit_rate']:.3f} ({r['ideal_hit_rate']:.3f}) | "
+                      f"{r.get('pool_hit_rate', 0):.3f} ({r.get('tier_hit_rate', 0):.3f}) | "
+                      f"{per_worker} | "
                       f"{r['errors']} | {r['loadavg_1m'][0]:.1f}-{r['loadavg_1m'][1]:.1f} | "
                       f"{r['wall_s']:.1f} |")
     lines += ["", "Against round robin:", ""]

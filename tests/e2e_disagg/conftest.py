@@ -13,18 +13,21 @@ import os
 import random
 import re
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 import pytest
 
 from dynagraph.runtime.infra import LocalService
-from tests.support.greedy import TOP_LOGPROBS, Greedy
+from tests.support.greedy import TOP_LOGPROBS, Greedy, assert_agrees
 from tests.support.infra import own_infra
 from tests.support.metrics import scrape
 from tests.support.serve import ServeProcess, graph_env, served
+
+S = TypeVar("S")
 
 MODEL = "tiny-llama"
 THRESHOLD = 256
@@ -74,6 +77,25 @@ def text_of(body: dict[str, object]) -> str:
     choices = body["choices"]
     assert isinstance(choices, list)
     return str(choices[0]["text"])
+
+
+def check_remote_prompts(g: DisaggGraph, reference: dict[str, Greedy],
+                         before: Callable[[], S], after: Callable[[int, S], None]) -> int:
+    """Every prompt of ``PROMPTS`` through ``g``, its greedy text checked against the agg
+    graph's; for each long (remote) one, ``after(prompt_tokens, before())`` with
+    ``before`` taken just before its request. Returns how many were remote."""
+    remote = 0
+    for p in PROMPTS:
+        state = before()
+        body = complete(g.url, p.text)
+        usage = body["usage"]
+        assert isinstance(usage, dict)
+        n = int(usage["prompt_tokens"])
+        assert_agrees(reference[p.text], text_of(body), f"{p.words} words / {n} tokens")
+        if n > THRESHOLD:
+            remote += 1
+            after(n, state)
+    return remote
 
 
 @pytest.fixture(scope="package")

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from dynagraph.llm.kv.shm_direct import MANIFEST_DIR, MANIFEST_PREFIX
-from tests.e2e_disagg.conftest import PROMPTS, THRESHOLD, DisaggGraph, complete, text_of
-from tests.support.greedy import Greedy, assert_agrees
+from tests.e2e_disagg.conftest import DisaggGraph, check_remote_prompts
+from tests.support.greedy import Greedy
 from tests.support.kvmem import kv_memfd_inodes
 from tests.support.metrics import scrape, total
 
@@ -29,17 +29,8 @@ def transferred(g: DisaggGraph) -> tuple[float, float]:
 
 def test_greedy_output_equals_agg_and_the_kv_is_copied_from_the_prefill_engine(
         shm_graph: DisaggGraph, agg_reference: dict[str, Greedy]) -> None:
-    remote = 0
-    for p in PROMPTS:
-        before, (count, nbytes) = shm_graph.metrics(), transferred(shm_graph)
-        body = complete(shm_graph.url, p.text)
-        usage = body["usage"]
-        assert isinstance(usage, dict)
-        n = int(usage["prompt_tokens"])
-        assert_agrees(agg_reference[p.text], text_of(body), f"{p.words} words / {n} tokens")
-        if n <= THRESHOLD:
-            continue
-        remote += 1
+    def arrived(n: int, before: tuple[dict[str, float], tuple[float, float]]) -> None:
+        metrics, (count, nbytes) = before
         deadline = time.monotonic() + 5  # the step's stats reach the metrics just after it
         while transferred(shm_graph)[0] == count:
             assert time.monotonic() < deadline, n
@@ -47,7 +38,10 @@ def test_greedy_output_equals_agg_and_the_kv_is_copied_from_the_prefill_engine(
         moved = transferred(shm_graph)[1] - nbytes
         assert moved >= (n // BLOCK - 1) * BLOCK_BYTES, (n, moved)
         after = shm_graph.metrics()
-        assert after.get(REMOTE, 0) - before.get(REMOTE, 0) == 1, (n, before, after)
+        assert after.get(REMOTE, 0) - metrics.get(REMOTE, 0) == 1, (n, metrics, after)
+
+    remote = check_remote_prompts(shm_graph, agg_reference,
+                                  lambda: (shm_graph.metrics(), transferred(shm_graph)), arrived)
     assert remote >= 10
     # the copies' evidence: both engines published their caches, and one process (the
     # decode engine) maps two of them, its own and the prefill engine's

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from tests.e2e_disagg.conftest import PROMPTS, THRESHOLD, DisaggGraph, complete, text_of
-from tests.support.greedy import Greedy, assert_agrees
+from tests.e2e_disagg.conftest import DisaggGraph, check_remote_prompts
+from tests.support.greedy import Greedy
 from tests.support.metrics import scrape, total
 
 pytestmark = [pytest.mark.nixl, pytest.mark.vllm]
@@ -24,22 +24,17 @@ def tier_hits(g: DisaggGraph) -> float:
 
 def test_greedy_output_equals_agg_and_the_kv_comes_through_the_shared_tier(
         tier_graph: DisaggGraph, agg_reference: dict[str, Greedy]) -> None:
-    remote = 0
-    for p in PROMPTS:
-        before, hits = tier_graph.metrics(), tier_hits(tier_graph)
-        body = complete(tier_graph.url, p.text)
-        usage = body["usage"]
-        assert isinstance(usage, dict)
-        n = int(usage["prompt_tokens"])
-        assert_agrees(agg_reference[p.text], text_of(body), f"{p.words} words / {n} tokens")
-        if n <= THRESHOLD:
-            continue
-        remote += 1
+    def came_through_the_tier(n: int, before: tuple[dict[str, float], float]) -> None:
+        metrics, hits = before
         deadline = time.monotonic() + 5  # the step's stats reach the metrics just after it
         while tier_hits(tier_graph) - hits < (n // BLOCK - 1) * BLOCK:
             assert time.monotonic() < deadline, (n, tier_hits(tier_graph) - hits)
             time.sleep(0.05)
         after = tier_graph.metrics()
-        assert after.get(REMOTE, 0) - before.get(REMOTE, 0) == 1, (n, before, after)
-        assert after.get(NIXL_BYTES, 0) == before.get(NIXL_BYTES, 0), (n, before, after)
+        assert after.get(REMOTE, 0) - metrics.get(REMOTE, 0) == 1, (n, metrics, after)
+        assert after.get(NIXL_BYTES, 0) == metrics.get(NIXL_BYTES, 0), (n, metrics, after)
+
+    remote = check_remote_prompts(tier_graph, agg_reference,
+                                  lambda: (tier_graph.metrics(), tier_hits(tier_graph)),
+                                  came_through_the_tier)
     assert remote >= 10

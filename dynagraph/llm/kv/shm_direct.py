@@ -89,8 +89,10 @@ def rehome(kv_caches: Mapping[str, Any]) -> Region | None:
 
     Each distinct buffer becomes a memfd of its size, mapped shared; every view is
     pointed at it with the same offset, shape and strides (``Tensor.set_``). Call it
-    before anything else holds a view of the buffers. Returns the region of the largest
-    buffer (vLLM allocates one); its fd closes when the views are gone.
+    before anything else holds a view of the buffers: the old buffer is released before
+    the memfd is made, so memory peaks at one cache, not two. Returns the region of the
+    largest buffer (vLLM allocates one; None if no memfd could be made: the cache is
+    then private memory, as before); its fd closes when the views are gone.
     """
     import torch
 
@@ -104,19 +106,28 @@ def rehome(kv_caches: Mapping[str, Any]) -> Region | None:
     largest: Region | None = None
     for tensors in by_storage.values():
         nbytes = tensors[0].untyped_storage().nbytes()
-        fd = os.memfd_create("dynagraph-kv", os.MFD_CLOEXEC)
+        layout = [(t, t.storage_offset(), t.size(), t.stride()) for t in tensors]
+        for tensor in tensors:  # the old buffer goes first: memory peaks at one cache
+            tensor.set_()
+        fd: int | None = None
         try:
+            fd = os.memfd_create("dynagraph-kv", os.MFD_CLOEXEC)
             os.ftruncate(fd, nbytes)
             storage = cast(torch.UntypedStorage, torch.UntypedStorage.from_file(
                 f"/proc/self/fd/{fd}", shared=True, nbytes=nbytes))
-            # as vLLM's torch.zeros: every page allocated and mapped now, not on a copy's
-            # first touch (a fault per 4 KiB page ran copies at 0.7 GiB/s)
-            torch.empty(0, dtype=torch.int8).set_(storage).zero_()
         except Exception:
-            os.close(fd)
-            raise
-        for tensor in tensors:
-            tensor.set_(storage, tensor.storage_offset(), tensor.size(), tensor.stride())
+            log.exception("KV cache not in shared memory: its peers read it over NIXL")
+            if fd is not None:
+                os.close(fd)
+            fd = None
+            storage = torch.empty(nbytes, dtype=torch.int8).untyped_storage()
+        # as vLLM's torch.zeros: every page allocated and mapped now, not on a copy's
+        # first touch (a fault per 4 KiB page ran copies at 0.7 GiB/s)
+        torch.empty(0, dtype=torch.int8).set_(storage).zero_()
+        for tensor, offset, size, stride in layout:
+            tensor.set_(storage, offset, size, stride)
+        if fd is None:
+            continue
         region = Region(addr=storage.data_ptr(), nbytes=nbytes, fd=fd, ino=os.fstat(fd).st_ino)
         _regions.append(region)
         weakref.finalize(tensors[0], _forget, region)
@@ -342,7 +353,7 @@ class ShmNixl:
                 del self._arrays[next(iter(self._arrays))]
         return out
 
-    def prep_xfer_dlist(self, agent_name: str, xfer_list: Any, *args: Any,
+    def prep_xfer_dlist(self, agent_name: str | bytes, xfer_list: Any, *args: Any,
                         **kwargs: Any) -> Any:
         handle = self._agent.prep_xfer_dlist(agent_name, xfer_list, *args, **kwargs)
         held = self._arrays.pop(id(xfer_list), None)
@@ -435,7 +446,11 @@ class ShmNixl:
                                      descCount=len(handle.lens))
         notif = notif_msg or handle.notif
         if notif:
-            self._agent.send_notif(handle.agent, notif_msg=notif)
+            try:
+                self._agent.send_notif(handle.agent, notif_msg=notif)
+            except Exception as exc:  # the KV is here; the peer frees it at its lease's end
+                log.warning("KV copied from NIXL agent %s, its notification failed: %s",
+                            _text(handle.agent), exc)
         handle.state = "DONE"
         self.copies += 1
         return "DONE"

@@ -1,4 +1,7 @@
-"""Same-host KV hand-off through shared memory (``kv-transport: shm``, or ``auto``).
+"""Same-host KV hand-off through a shared tier of block files (``kv-transport: tier``).
+
+(``kv-transport: shm`` / ``auto`` copy from the prefill engine's cache instead, which is
+faster: ``dynagraph.llm.kv.shm_direct``.)
 
 When a decode worker and a prefill worker of one host name the same ``kv-offload-dir``
 on a tmpfs (``dynagraph.llm.kv.host_tiers``), the KV of a remote prefill does not need

@@ -230,3 +230,25 @@ def test_reads_from_a_peer_without_shared_memory_stay_on_nixl(tmp_path: Path) ->
 
 def test_the_env_switch() -> None:
     assert sd.enabled({sd.ENV: "1"}) and not sd.enabled({sd.ENV: "0"}) and not sd.enabled({})
+
+
+PEAK = textwrap.dedent("""
+    import resource, torch
+    from dynagraph.llm.kv import shm_direct as sd
+    gib = 1 << 30
+    buf = torch.ones(gib, dtype=torch.int8)  # every page touched, as vLLM's zeros
+    caches = {"k": buf[: gib // 2].view(torch.bfloat16), "v": buf[gib // 2:].view(torch.bfloat16)}
+    del buf
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    assert sd.rehome(caches) is not None
+    grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    print(grew // 1024)
+""")
+
+
+def test_rehome_frees_the_old_buffer_before_making_the_new_one() -> None:
+    """Peak memory stays at one cache (a second copy would be a whole cache more)."""
+    out = subprocess.run([sys.executable, "-c", PEAK], capture_output=True, text=True,
+                         check=True, timeout=120)
+    grew_mib = int(out.stdout)
+    assert grew_mib < 256, grew_mib  # 1,024 if both lived at once
