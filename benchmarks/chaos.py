@@ -21,7 +21,8 @@ Per fault window (from the fault to the next one): requests started / completed 
 failed (an error status or error event) / truncated (ended without a finish reason or
 ``[DONE]``, or short of max_tokens), migrations (the Processor's
 ``dynamo_processor_migrations_total``) and p99 TTFT/ITL of the requests that started
-in it. Goal: 0 failed, 0 truncated. Results: ``benchmarks/results/chaos_<graph>.{json,md}``.
+in it. Goal: 0 failed, 0 truncated. Results: ``benchmarks/results/chaos_<graph>.{json,md}``
+(or ``--name``).
 """
 
 from __future__ import annotations
@@ -252,7 +253,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 def markdown(data: dict[str, Any]) -> str:
     a = data["args"]
     lines = [f"# Chaos under load: {data['graph']}", "",
-             f"`python benchmarks/chaos.py --graph {data['graph']}` ({a['concurrency']} streams "
+             f"`python benchmarks/chaos.py --graph {data['graph']}"
+             + "".join(f" --serve-arg={x}" for x in a.get("serve_arg") or [])
+             + (f" --name {a['name']}" if a.get("name") else "")
+             + f"` (faults {a['faults']}; {a['concurrency']} streams "
              f"x {a['max_tokens']} tokens, a fault every {a['period']}s)", "",
              f"Total: {data['total']['sent']} requests, {data['total']['failed']} failed, "
              f"{data['total']['truncated']} truncated.", "",
@@ -283,6 +287,7 @@ def main() -> None:
                    help="seconds to wait for the graph to be whole again after a fault")
     p.add_argument("--server-log", type=Path, default=None,
                    help="write the graph's output (dynamo serve) to this file")
+    p.add_argument("--name", default=None, help="results name (default chaos_<graph>)")
     p.add_argument("--serve-arg", action="append", default=[],
                    help="one more argument for dynamo serve (repeatable)")
     args = p.parse_args()
@@ -293,7 +298,7 @@ def main() -> None:
     logging.getLogger("dynagraph").setLevel(logging.WARNING)  # our polls' connect lines
     data = asyncio.run(run(args))
     md = markdown(data)
-    bench.write_results(f"chaos_{args.graph}", data, md)
+    bench.write_results(args.name or f"chaos_{args.graph}", data, md)
     print(md)
 
 

@@ -18,7 +18,9 @@ what it reads: tier -> pool (``dynamo_worker_kv_tier_read_*``) plus pool -> engi
 side's write-through happens before the hand-off and is in the TTFT only; ``tier:CODEC``
 stores the blocks compressed (``kv-compression``), so they move compressed (``kv_bytes``
 is then the encoded size). Each size's
-memcpy of the same bytes (numpy, this process) is measured in the same run.
+memcpy of the same bytes (numpy, this process) is measured in the same run, and so is a
+raw NIXL READ of them between two idle processes (``benchmarks/nixl_raw.py``; ``--raw-from
+file`` reads its stored result instead).
 
     python benchmarks/disagg_served.py --requests 8 [--transports nixl,shm,tier]
 """
@@ -181,12 +183,20 @@ def main() -> int:
     ap.add_argument("--transports", default="nixl",
                     help="comma-separated: nixl, shm, tier, tier:CODEC (e.g. tier:int8)")
     ap.add_argument("--name", default="disagg_served")
+    ap.add_argument("--raw-from", choices=["run", "file"], default="run",
+                    help="raw NIXL reference: measured in this run (benchmarks/nixl_raw.py's "
+                         "kv-blocks layout) or read from benchmarks/results/nixl_raw.json")
     args = ap.parse_args()
     transports = args.transports.split(",")
     rows = [r for t in transports for r in run(args.requests, t)]
-    raw_path = bench.REPO / "benchmarks" / "results" / "nixl_raw.json"
-    raw = ({r["prompt"]: r["gib_per_s"] for r in json.loads(raw_path.read_text())["rows"]
-            if r["layout"] == "kv-blocks"} if raw_path.exists() else {})
+    if args.raw_from == "run":  # raw NIXL READs (cold buffers) between two idle processes
+        from benchmarks import nixl_raw
+
+        raw_rows = nixl_raw.run(reps=50, progress_thread=False, windows=16)
+    else:
+        raw_path = bench.REPO / "benchmarks" / "results" / "nixl_raw.json"
+        raw_rows = json.loads(raw_path.read_text())["rows"] if raw_path.exists() else []
+    raw = {r["prompt"]: r["gib_per_s"] for r in raw_rows if r["layout"] == "kv-blocks"}
     summary = [s for t in transports for s in summarize(rows, raw, t)]
     cols = ["transport", "prompt", "requests", "tokens", "kv_bytes", "kv_transfer_ms",
             "kv_transfer_ms_min", "gib_per_s", "raw_nixl_gib_per_s", "ratio_to_raw",
@@ -196,11 +206,14 @@ def main() -> int:
     table = bench.markdown_table(cols, summary)
     text = ("# KV transfers as served (graphs.disagg), medians\n\n"
             f"`python benchmarks/disagg_served.py --requests {args.requests} --transports "
-            f"{args.transports}`: `dynamo serve "
+            f"{args.transports}`"
+            + (" --raw-from file" if args.raw_from == "file" else "") + ": `dynamo serve "
             "graphs.disagg` with configs/disagg.yaml on the tiny model; transfer time and bytes "
             "from the decode worker's `dynamo_worker_kv_transfer_*` metrics per request; TTFT "
             "as the HTTP client sees it (streamed, 4 tokens). Raw NIXL: "
-            "`benchmarks/nixl_raw.py`, kv-blocks layout. shm: the decode engine's copy from the "
+            "`benchmarks/nixl_raw.py`, kv-blocks layout, "
+            + ("in this run" if args.raw_from == "run" else "from its stored result") + ". "
+            "shm: the decode engine's copy from the "
             "prefill engine's shared KV cache; tier: the decode worker's tier read "
             "plus pool load (see the script's doc); memcpy: numpy, same bytes, same run, the "
             "same buffers each time (cache-resident at 1k) and cold (fresh buffers each time). "

@@ -252,3 +252,40 @@ def test_rehome_frees_the_old_buffer_before_making_the_new_one() -> None:
                          check=True, timeout=120)
     grew_mib = int(out.stdout)
     assert grew_mib < 256, grew_mib  # 1,024 if both lived at once
+
+
+def test_populate_maps_the_pages_without_holding_the_gil() -> None:
+    """Another thread keeps running while 256 MiB of a mapping are populated."""
+    import mmap
+    import threading
+    import time
+
+    n = 256 << 20
+    fd = os.memfd_create("populate-test")
+    try:
+        os.ftruncate(fd, n)
+        mapped = mmap.mmap(fd, n, mmap.MAP_SHARED, mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    view = np.frombuffer(mapped, np.uint8)
+    ticks: list[float] = []
+    done = threading.Event()
+
+    def tick() -> None:
+        while not done.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(0.0005)
+
+    thread = threading.Thread(target=tick)
+    thread.start()
+    try:
+        began = time.perf_counter()
+        assert sd.populate(view.ctypes.data, n)
+        took = time.perf_counter() - began
+    finally:
+        done.set()
+        thread.join()
+    during = [t for t in ticks if began <= t <= began + took]
+    assert len(during) >= 2 or took < 0.005, (len(during), took)
+    del view
+    mapped.close()
