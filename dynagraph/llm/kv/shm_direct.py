@@ -193,6 +193,8 @@ def sweep(base: Path = MANIFEST_DIR) -> int:
 
 
 def _alive(pid: int) -> bool:
+    """A signal-0 probe: cheap enough for every READ (``runtime.procfs.pid_alive`` reads
+    each thread's stat); a zombie counts as alive until it is reaped."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -229,7 +231,7 @@ class PeerMemory:
         keep: list[Any] = []
         bases, ends, local = [], [], []
         try:
-            for r in body["regions"]:
+            for r in sorted(body["regions"], key=lambda r: r["addr"]):  # for translate
                 region = Region(**r)
                 fd = os.open(f"/proc/{int(body['pid'])}/fd/{region.fd}", os.O_RDONLY)
                 try:
@@ -409,9 +411,10 @@ class ShmNixl:
     def forget(self, agent: str | bytes) -> None:
         """Unmap ``agent``'s memory (once its reads are gone): its READs go to NIXL."""
         self._peers.pop(_text(agent), None)
-        for key in [k for k, (_, dl) in self._lists.items()
-                    if dl.agent != LOCAL_AGENT and _text(dl.agent) == _text(agent)]:
-            del self._lists[key]
+        for key, (_, dl) in list(self._lists.items()):  # a snapshot: handshakes add lists
+            # from their own thread
+            if dl.agent != LOCAL_AGENT and _text(dl.agent) == _text(agent):
+                self._lists.pop(key, None)
 
     def remove_remote_agent(self, agent: str | bytes) -> Any:
         self.forget(agent)

@@ -289,3 +289,21 @@ def test_populate_maps_the_pages_without_holding_the_gil() -> None:
     assert len(during) >= 2 or took < 0.005, (len(during), took)
     del view
     mapped.close()
+
+
+def test_a_peer_of_several_regions_translates_into_each(tmp_path: Path) -> None:
+    import ctypes
+
+    caches = [{"l": torch.zeros(4096 * (i + 1), dtype=torch.int8)} for i in range(3)]
+    regions = [sd.rehome(c) for c in caches]  # the caches stay alive: their fds stay open
+    for i, c in enumerate(caches):
+        c["l"][8] = i + 1
+    listed = sorted((r for r in regions if r is not None), key=lambda r: -r.addr)
+    assert len(listed) == 3
+    sd.publish("many", listed, tmp_path)  # not in address order
+    peer = sd.PeerMemory.open("many", tmp_path)
+    assert peer is not None
+    local = peer.translate(np.array([r.addr + 8 for r in regions if r is not None], np.uint64),
+                           np.full(3, 1, np.uint64))
+    assert local is not None
+    assert [ctypes.string_at(a, 1)[0] for a in local.tolist()] == [1, 2, 3]
