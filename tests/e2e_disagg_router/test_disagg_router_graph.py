@@ -3,7 +3,8 @@
 Frontend -> Processor -> KV Router -> two VllmWorkers (remote prefill on) -> one
 PrefillWorker, three NIXL engines, the config file as shipped (ports 0, the test model).
 Its own etcd and NATS, in its own package so no other engine-bearing graph runs at the
-same time. Long prompts are prefilled remotely and their KV arrives over NIXL; a repeated
+same time. Long prompts are prefilled remotely and their KV arrives (copied from the
+prefill engine's shared memory: the config's ``kv-transport: auto``; NIXL's protocol); a repeated
 prompt gives the same greedy text; the Router decides every request; no prefill's KV
 outlives its lease unread; the graph stops cleanly.
 """
