@@ -52,7 +52,8 @@ def run(a: argparse.Namespace, transport: str) -> dict[str, Any]:
     ttft = [r.chunk_times[0] * 1000 for r in ok if r.chunk_times]
     itl = [(y - x) * 1000 for r in ok for x, y in zip(r.chunk_times, r.chunk_times[1:],
                                                         strict=False)]
-    errors = [r.error or "truncated" for r in got if r not in ok]
+    errors = [r.error or "truncated" for r in got
+              if r.error is not None or short(r, a.max_tokens)]
     return {"transport": transport, "window_s": round(wall, 1), "completed": len(ok),
             "errors": len(errors), "first_error": errors[0] if errors else None,
             "ttft_p50_ms": round(statistics.median(ttft)) if ttft else None,

@@ -36,6 +36,7 @@ Pure apart from the memory calls; no vLLM import (``nixl_quiet`` does the wiring
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import logging
 import mmap
@@ -269,14 +270,19 @@ class PeerMemory:
 MADV_POPULATE_READ = 22  # Linux 5.14+
 
 
+@functools.cache
+def _madvise() -> Any:
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return madvise
+
+
 def populate(addr: int, nbytes: int) -> bool:
     """Map every page of a fresh mapping now, so that copies from it do not fault a page
     at a time (0.7 GiB/s). Through ctypes, which lets other threads run: ``mmap``'s own
     ``MAP_POPULATE`` holds the GIL, 140 ms per GiB in which the engine's loop stood still.
     False where the kernel cannot (older than 5.14): the first copies fault instead."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    if libc.madvise(addr, nbytes, MADV_POPULATE_READ) == 0:
+    if _madvise()(addr, nbytes, MADV_POPULATE_READ) == 0:
         return True
     log.debug("madvise(MADV_POPULATE_READ) failed: errno %d", ctypes.get_errno())
     return False
