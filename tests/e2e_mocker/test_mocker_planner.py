@@ -42,18 +42,22 @@ async def test_scales_up_under_load_and_down_when_idle_losing_no_request(
     assert (await until_processes(etcd, "==", 1, within=10)) == [1]
     heavy = Load(graph.url(), clients=24, max_tokens=24)
     heavy_task = asyncio.create_task(heavy.run())
+    light = Load(graph.url(), clients=3, max_tokens=150)  # about one per worker
+    light_task: asyncio.Task[None] | None = None
     try:
         up = await until_processes(etcd, ">=", 3, within=90)
-    finally:
+        # the light load starts before the heavy one stops: with a gap between them (the
+        # heavy clients finishing their last requests, slow on a loaded machine) the
+        # Planner could scale down before any light request was in flight to drain
+        light_task = asyncio.create_task(light.run())
         heavy.stop.set()
-        await asyncio.wait_for(heavy_task, 120)
-    light = Load(graph.url(), clients=3, max_tokens=150)  # about one per worker
-    light_task = asyncio.create_task(light.run())
-    try:
         down = await until_processes(etcd, "==", 1, within=90)
     finally:
+        heavy.stop.set()
         light.stop.set()
-        await asyncio.wait_for(light_task, 120)
+        await asyncio.wait_for(heavy_task, 120)
+        if light_task is not None:
+            await asyncio.wait_for(light_task, 120)
     deadline = time.monotonic() + 45  # the retired workers finish draining
 
     def retired() -> int:
