@@ -21,6 +21,8 @@ prefix-cache hits) are sent one at a time, each preceded by a warm-up:
         # root; writes benchmarks/results/link_sweep.{json,md,png}
         # --append keeps the runs already there (same sizes and rates) next to this one
     python benchmarks/link_sweep.py --render   # rewrite the .md/.png from the JSON
+    python benchmarks/link_sweep.py --compression int8 --name link_sweep_int8
+        # the KV int8-encoded on the wire (kv-transfer-compression on both workers)
 
 ``none`` is the veth without a limit: on this 2-core machine the CPU, not the veth, is
 what bounds it, so it is the ceiling the limited runs are compared against.
@@ -88,10 +90,12 @@ def one(g: ThreeHostGraph, workers: list[str], rate: str, label: str, i: int) ->
             "gbit_per_s": nbytes * 8 / seconds / 1e9 if seconds > 0 else 0.0}
 
 
-def run(requests: int, rates: list[str]) -> list[dict[str, Any]]:
+def run(requests: int, rates: list[str], compression: str = "none") -> list[dict[str, Any]]:
     model_dir = ensure_model(REPO / "models" / "tiny-llama")
     rows: list[dict[str, Any]] = []
-    with three_host_graph(model_dir) as g:
+    overrides = [f"--{c}.kv-transfer-compression={compression}"
+                 for c in ("VllmWorker", "PrefillWorker")]
+    with three_host_graph(model_dir, overrides) as g:
         workers = [json.loads(v)["metrics"] for v in g.etcdctl(
             "get", "--prefix", "/dynamo/instances/VllmWorker/", "--print-value-only").split()]
         for rate in rates:
@@ -186,11 +190,14 @@ def main() -> int:
                          "and rates) as earlier runs, shown next to this one per run")
     ap.add_argument("--render", action="store_true",
                     help="only rewrite the .md and .png from results/link_sweep.json")
+    ap.add_argument("--compression", default="none",
+                    help="kv-transfer-compression of both workers (none, int8, fp8)")
+    ap.add_argument("--name", default="link_sweep", help="results file name")
     args = ap.parse_args()
-    path = RESULTS / "link_sweep.json"
+    path = RESULTS / f"{args.name}.json"
     if args.render:
         data = json.loads(path.read_text())
-        return report(data)
+        return report(data, args.name)
     reason = unavailable_reason()
     if reason is not None:
         print(f"link_sweep: {reason}", file=sys.stderr)
@@ -199,20 +206,24 @@ def main() -> int:
     earlier = earlier_runs(json.loads(path.read_text()), rates) if args.append and \
         path.exists() else []
     started = machine_info()
-    rows = run(args.requests, rates)
-    data = {"command": command(args.requests, args.rates, args.append),
+    rows = run(args.requests, rates, args.compression)
+    data = {"command": command(args.requests, args.rates, args.append, args.compression,
+                               args.name), "compression": args.compression,
             "requests": args.requests, "rates": args.rates, "sizes": SIZES_TOKENS, "rows": rows,
             "machine": started, "machine_end": machine_info(), "earlier_runs": earlier}
-    return report(data)
+    return report(data, args.name)
 
 
 SIZES_TOKENS = {"1k": 1000, "4k": 4000}
 """The prompt sizes' nominal token counts (recorded with a run, to compare runs by)."""
 
 
-def command(requests: int, rates: str, append: bool = False) -> str:
+def command(requests: int, rates: str, append: bool = False, compression: str = "none",
+            name: str = "link_sweep") -> str:
     return (f"python benchmarks/link_sweep.py --requests {requests} --rates {rates}"
-            + (" --append" if append else ""))
+            + (" --append" if append else "")
+            + (f" --compression {compression}" if compression != "none" else "")
+            + (f" --name {name}" if name != "link_sweep" else ""))
 
 
 def earlier_runs(previous: dict[str, Any], rates: list[str]) -> list[dict[str, Any]]:
@@ -224,7 +235,7 @@ def earlier_runs(previous: dict[str, Any], rates: list[str]) -> list[dict[str, A
     return [*previous.get("earlier_runs", []), own]
 
 
-def report(data: dict[str, Any]) -> int:
+def report(data: dict[str, Any], name: str = "link_sweep") -> int:
     rates = [r.strip() for r in data["rates"].split(",") if r.strip()]
     summary = summarize(data["rows"], rates)
     started, ended = data["machine"], data["machine_end"]
@@ -236,7 +247,8 @@ def report(data: dict[str, Any]) -> int:
             f"`{data['command']}` "
             "(root): the disagg_router graph on three network namespaces (front, decode x2, "
             "prefill), every prefill remote, KV over NIXL with `UCX_TLS=tcp`; `tc tbf` on the "
-            "decode and prefill hosts' veths. Transfer time and bytes from the decode workers' "
+            "decode and prefill hosts' veths; `kv-transfer-compression: "
+            f"{data.get('compression', 'none')}`. Transfer time and bytes from the decode workers' "
             "`dynamo_worker_kv_transfer_*`; `wire_ms` = those bytes at the link rate; "
             "`prefill_wait_ms`: the decode worker's wait from enqueue to hand-off "
             "(`dynamo_worker_remote_prefill_wait_seconds`); TTFT from the HTTP client "
@@ -244,10 +256,11 @@ def report(data: dict[str, Any]) -> int:
             f"Load average {started['loadavg_1m']:.1f} at the start, {ended['loadavg_1m']:.1f} "
             f"at the end ({started['at']} to {ended['at']}, a shared 2-core VM): "
             "provisional.\n\n"
-            + "\n".join(table) + "\n\n" + _runs_table(summary, data) + READING)
+            + "\n".join(table) + "\n\n" + _runs_table(summary, data)
+            + (READING if name == "link_sweep" else ""))
     RESULTS.mkdir(parents=True, exist_ok=True)
-    plot(summary, rates, RESULTS / "link_sweep.png")
-    write_results("link_sweep", {**data, "summary": summary}, text)
+    plot(summary, rates, RESULTS / f"{name}.png")
+    write_results(name, {**data, "summary": summary}, text)
     print(text)
     return 0
 

@@ -88,7 +88,8 @@ class PrefillWorker(Component):
         kv_cfg, self.nixl = prepare_nixl("kv_producer", engine_id=engine_id,
                                          base=config.kv_transfer_config,
                                          progress_delay_us=config.nixl_progress_delay_us,
-                                         shared_memory=config.shared_kv_memory)
+                                         shared_memory=config.shared_kv_memory,
+                                         wire_codec=config.kv_transfer_compression)
         self.engine = VllmEngine(config.model_copy(update={"kv_transfer_config": kv_cfg}))
         self.queue: NatsPrefillQueue | None = None
         self.faults = self.LIVE_SETTINGS.bind(PrefillFaults(), self.runtime.settings_prefix())

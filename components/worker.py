@@ -168,7 +168,8 @@ class VllmWorker(DecodeWorkerEndpoints):
         self.config = config
         self.signer = Signer.from_env()
         self.disagg = DecodeDisagg.create(config, self.runtime, self.prefill,
-                                          config.kv_transfer_config)
+                                          config.kv_transfer_config,
+                                          config.kv_transfer_compression)
         if self.disagg is not None:
             config = self.disagg.engine_args(config)
         self.hasher = block_hasher(config)

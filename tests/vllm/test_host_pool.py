@@ -112,7 +112,7 @@ async def test_the_quality_guard_passes_int8_and_refuses_a_bad_codec(
     try:
         report = engine.guard_report
         assert report.agreement >= 0.75 and 0 < report.divergence <= 0.05
-        assert report.pool_hit_tokens > 0
+        assert report.restored_tokens > 0
     finally:
         await engine.shutdown()
 

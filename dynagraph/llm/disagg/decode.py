@@ -91,7 +91,8 @@ class DecodeDisagg:
 
     @classmethod
     def create(cls, keys: DecodeDisaggKeys, runtime: RuntimeContext, prefill: Any,
-               base_kv_config: dict[str, Any] | None = None) -> DecodeDisagg | None:
+               base_kv_config: dict[str, Any] | None = None, wire_codec: str = "none"
+               ) -> DecodeDisagg | None:
         """None when the graph has no PrefillWorker (``prefill is None``) or remote-prefill is off.
 
         Side effect: sets the NIXL side-channel environment for the engine to come.
@@ -101,7 +102,8 @@ class DecodeDisagg:
         engine_id = f"{runtime.component}-{runtime.instance_id:x}"
         kv_cfg, nixl = prepare_nixl("kv_consumer", engine_id=engine_id, base=base_kv_config,
                                     progress_delay_us=keys.nixl_progress_delay_us,
-                                    shared_memory=keys.shared_kv_memory)
+                                    shared_memory=keys.shared_kv_memory,
+                                    wire_codec=wire_codec)
         return cls(keys, runtime, prefill, kv_cfg, nixl)
 
     @classmethod

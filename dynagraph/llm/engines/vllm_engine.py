@@ -25,7 +25,14 @@ import warnings
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from dynagraph.errors import ConfigError, EngineError, InvalidRequest, PromptTooLong
 from dynagraph.llm.engines.base import EngineLoad, EngineOutput, FinishReason, SamplingSpec
@@ -98,12 +105,21 @@ class VllmEngineArgs(BaseModel):
     or ``fp8`` (groupwise scaled, ~1.94x more blocks in the same memory), or
     ``module:Class``. A lossy codec must pass the quality guard at start-up
     (``dynagraph.llm.kv.quality_guard``) or the worker refuses to start."""
+    kv_transfer_compression: str = "none"
+    """How a remote prefill's KV crosses the NIXL wire (``dynagraph.llm.kv.wire_codec``):
+    ``none`` (raw), ``int8`` or ``fp8`` (the pool's codecs: ~1.94x fewer bytes), or
+    ``module:Class``. Set it alike on the decode and prefill workers (a peer with another
+    value is read raw); a same-host peer read by ``kv-transport: shm | auto`` is copied
+    raw. Costs an encode on the prefill engine and a decode on the decode engine, and
+    0.52x the KV cache in host memory on each, for half the bytes on a slow link. A lossy
+    codec must pass the quality guard at start-up (the engine's cached calibration
+    blocks round-tripped through it) or the worker refuses to start."""
     kv_compression_max_divergence: float = Field(default=0.05, gt=0.0)
     """Quality guard: the largest mean |logprob difference| (nats) per generated token
-    allowed between calibration prompts served from the compressed pool and computed."""
+    allowed between calibration prompts served from compressed KV and computed."""
     kv_compression_min_agreement: float = Field(default=0.75, ge=0.0, le=1.0)
     """Quality guard: the smallest share of calibration prompts whose greedy tokens from
-    the compressed pool must equal the computed ones."""
+    compressed KV must equal the computed ones."""
     enforce_eager: bool = True
     """Skip torch.compile / graph capture (saves 30-70 s of start-up on the CPU); also
     turns off torch.compile for vLLM's helpers (``TORCHDYNAMO_DISABLE=1`` unless set)."""
@@ -150,11 +166,12 @@ class VllmEngineArgs(BaseModel):
     extra_engine_args: dict[str, Any] = Field(default_factory=dict)
     """Any other ``vllm.AsyncEngineArgs`` field, passed through unchecked."""
 
-    @field_validator("kv_compression")
+    @field_validator("kv_compression", "kv_transfer_compression")
     @classmethod
-    def _known_codec(cls, value: str) -> str:
+    def _known_codec(cls, value: str, info: ValidationInfo) -> str:
         if value not in ("none", "int8", "fp8") and ":" not in value:
-            raise ValueError(f"unknown kv-compression {value!r}: use none, int8, fp8 or "
+            key = str(info.field_name).replace("_", "-")
+            raise ValueError(f"unknown {key} {value!r}: use none, int8, fp8 or "
                              "module:Class")
         return value
 
@@ -322,6 +339,8 @@ class VllmEngine:
         self._reaper: Reaper | None = None
         self.guard_report: Any = None
         """The host pool codec's quality guard report (``kv-compression``), once passed."""
+        self.wire_guard_report: Any = None
+        """The wire codec's (``kv-transfer-compression``), once passed."""
 
     @property
     def started(self) -> bool:
@@ -454,6 +473,8 @@ class VllmEngine:
                                  seqs=int(scheduler.max_num_seqs or 0))
         if self.args.kv_offload_gib > 0 and self.args.kv_compression != "none":
             await self._guard_compression()
+        if self.args.kv_transfer_compression != "none":
+            await self._guard_wire_compression()
         if self.args.warmup:
             await self._warm_up()
         self._start_seconds = time.monotonic() - began
@@ -498,6 +519,41 @@ class VllmEngine:
             await self.shutdown()
             raise
         self.guard_report = report
+
+    async def _guard_wire_compression(self) -> None:
+        """Run the NIXL wire codec's quality guard; refuse to start if it fails."""
+        from dynagraph.llm.kv.quality_guard import WIRE_KEY, calibrate_wire, check
+        from dynagraph.llm.kv.wire_codec import ROUNDTRIP_RPC
+
+        codec = self.args.kv_transfer_compression
+        progress.report("loading", f"{WIRE_KEY} {codec}: quality guard")
+        try:
+            if not (self.args.kv_transfer_config or {}).get("kv_connector_module_path"):
+                raise ConfigError(f"{WIRE_KEY} {codec} compresses a remote prefill's KV on "
+                                  "the NIXL wire: this engine has no NIXL connector (set it "
+                                  "on the disaggregated graphs' VllmWorker and PrefillWorker)",
+                                  key=WIRE_KEY)
+            if not self.args.enable_prefix_caching:
+                raise ConfigError(f"{WIRE_KEY}'s quality guard serves its calibration "
+                                  "prompts from the prefix cache: set enable-prefix-caching",
+                                  key=WIRE_KEY)
+            moved: list[int] = []
+
+            async def roundtrip() -> None:
+                moved.extend(await self._llm.collective_rpc(ROUNDTRIP_RPC))
+
+            report = await calibrate_wire(self, codec, self.args.block_size, roundtrip)
+            log.info("quality guard: %s (%.2f GiB of KV round-tripped)", report.summary(),
+                     sum(moved) / 2**30)
+            if sum(moved) <= 0:
+                raise ConfigError(f"{WIRE_KEY} {codec}: the engine's KV is not in a wire "
+                                  "shadow (it needs a 16-bit KV cache)", key=WIRE_KEY)
+            check(report, max_divergence=self.args.kv_compression_max_divergence,
+                  min_agreement=self.args.kv_compression_min_agreement)
+        except BaseException:
+            await self.shutdown()
+            raise
+        self.wire_guard_report = report
 
     async def shutdown(self) -> None:
         llm, self._llm = self._llm, None

@@ -21,6 +21,11 @@ NIXL's busy-spin).
 With ``DYNAGRAPH_KV_SHM=1`` (``kv-transport: shm`` or ``auto``) the engine's KV cache is
 allocated in shared memory and published, and its READs from same-host peers that did
 the same are copies (``dynagraph.llm.kv.shm_direct``).
+
+With ``DYNAGRAPH_KV_WIRE_CODEC`` (``kv-transfer-compression``) the KV crosses the NIXL
+wire encoded (``dynagraph.llm.kv.wire_codec``): the prefill side encodes a remote-decode
+request's blocks after the forward pass that computed them (vLLM's scheduler lists them
+as for a host buffer), the decode side reads the encoded bytes and decodes them.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
     NixlConnector as _VllmNixlConnector,
 )
 
-from dynagraph.llm.kv import shm_direct
+from dynagraph.llm.kv import shm_direct, wire_codec
 from dynagraph.llm.kv.nixl_side import delayed_agent_config, progress_delay_from_env
 
 log = logging.getLogger(__name__)
@@ -85,7 +90,26 @@ if shm_direct.enabled():
     _shared_kv_allocation()
 
 
+_CODEC_AGENTS: list[wire_codec.CodecNixl] = []
+"""This process's encoding agents (one per connector), for the quality guard's RPC."""
+
+
+def _wire_roundtrip(_worker: Any) -> int:
+    """Every KV byte of this process's encoding engines replaced by its codec round trip;
+    returns the bytes."""
+    return sum(agent.roundtrip_all() for agent in _CODEC_AGENTS)
+
+
+if wire_codec.wire_codec() is not None:
+    from vllm.v1.worker.worker_base import WorkerWrapperBase
+
+    setattr(WorkerWrapperBase, wire_codec.ROUNDTRIP_RPC, _wire_roundtrip)
+
+
 LISTENER_JOIN_S = 1.5
+TAILS_KEPT = 1024
+"""Requests whose last encoded block is remembered (a chunked prefill's next chunk may
+complete that block)."""
 
 
 class NixlConnector(_VllmNixlConnector):
@@ -102,6 +126,17 @@ class NixlConnector(_VllmNixlConnector):
         worker = getattr(self, "connector_worker", None)
         if worker is not None and shm_direct.enabled():
             worker.nixl_wrapper = shm_direct.ShmNixl(worker.nixl_wrapper)
+        self._codec: wire_codec.CodecNixl | None = None
+        self._tails: dict[str, int] = {}
+        name = wire_codec.wire_codec()
+        if name is not None:
+            sched = getattr(self, "connector_scheduler", None)
+            if sched is not None:  # it lists a remote-decode request's blocks to save
+                sched.use_host_buffer = True
+            if worker is not None:
+                self._codec = wire_codec.CodecNixl(worker.nixl_wrapper, name)
+                worker.nixl_wrapper = self._codec
+                _CODEC_AGENTS.append(self._codec)
 
     def shutdown(self) -> None:
         sched = getattr(self, "connector_scheduler", None)
@@ -113,9 +148,13 @@ class NixlConnector(_VllmNixlConnector):
         if self._published is not None:
             shm_direct.withdraw(self._published)
             self._published = None
+        if self._codec in _CODEC_AGENTS:
+            _CODEC_AGENTS.remove(self._codec)
         super().shutdown()  # type: ignore[no-untyped-call]  # vLLM's method is unannotated
 
     def register_kv_caches(self, kv_caches: Any) -> None:
+        if self._codec is not None and kv_caches:
+            self._codec.dtype = next(iter(kv_caches.values())).dtype
         super().register_kv_caches(kv_caches)
         worker = getattr(self, "connector_worker", None)
         if worker is None or not shm_direct.enabled():
@@ -125,3 +164,33 @@ class NixlConnector(_VllmNixlConnector):
             agent = str(worker.nixl_wrapper.name)
             shm_direct.publish(agent, regions)
             self._published = agent
+
+    def wait_for_save(self) -> None:
+        super().wait_for_save()  # type: ignore[no-untyped-call]
+        if self._codec is not None:
+            self._encode_saved()
+
+    def _encode_saved(self) -> None:
+        """Encode this step's blocks of remote-decode requests into the wire shadow (and
+        each one's last block of the step before, which this step may have filled)."""
+        todo = getattr(getattr(self, "_connector_metadata", None), "reqs_to_save", None)
+        worker = getattr(self, "connector_worker", None)
+        if not todo or worker is None or self._codec is None:
+            return
+        bases = worker.kv_caches_base_addr[worker.engine_id][worker.tp_rank]
+        for req_id, req in todo.items():
+            groups = worker._logical_to_kernel_block_ids(
+                req.local_block_ids, worker._physical_blocks_per_logical_kv_block)
+            ids = [b for group in groups for b in group]
+            if not ids:
+                continue
+            tail = self._tails.pop(req_id, None)
+            if tail is not None and tail not in ids:
+                ids.insert(0, tail)
+            self._tails[req_id] = ids[-1]
+            while len(self._tails) > TAILS_KEPT:
+                del self._tails[next(iter(self._tails))]
+            addrs, lens = wire_codec.block_ranges(bases, worker.block_len_per_layer,
+                                                  worker.block_stride_per_layer, ids)
+            if not self._codec.encode(addrs, lens):
+                log.warning("request %s: its KV blocks are not in the wire shadow", req_id)

@@ -25,6 +25,7 @@ from typing import Any, Literal
 
 from dynagraph.errors import ConfigError
 from dynagraph.llm.kv.shm_direct import ENV as SHM_ENV
+from dynagraph.llm.kv.wire_codec import ENV as WIRE_CODEC_ENV
 from dynagraph.runtime.addresses import host_from_env
 from dynagraph.runtime.infra import free_port
 
@@ -102,12 +103,14 @@ def prepare_nixl(
     port: int | None = None,
     host: str | None = None,
     shared_memory: bool = False,
+    wire_codec: str = "none",
 ) -> tuple[dict[str, Any], NixlEndpoint]:
     """The ``kv_transfer_config`` for a NixlConnector engine, and its endpoint.
 
     Sets ``VLLM_NIXL_SIDE_CHANNEL_HOST`` / ``_PORT``, ``DYNAGRAPH_NIXL_PROGRESS_DELAY_US``
     (``progress_delay_us``, for ``nixl_quiet``), ``DYNAGRAPH_KV_SHM`` (``shared_memory``:
-    the engine's KV cache in shared memory, ``shm_direct``) and, unless set, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``
+    the engine's KV cache in shared memory, ``shm_direct``), ``DYNAGRAPH_KV_WIRE_CODEC``
+    (``wire_codec``: the KV encoded on the NIXL wire, ``wire_codec``) and, unless set, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``
     (see ``IN_PROCESS_ENV``) in ``os.environ`` (side effect).
     ``base`` (the user's ``kv-transfer-config``) wins over the defaults here, except that
     the role and engine id are always ours. A consumer recomputes locally if a KV load
@@ -134,5 +137,6 @@ def prepare_nixl(
     os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port)
     os.environ[DELAY_ENV] = str(progress_delay_us)
     os.environ[SHM_ENV] = "1" if shared_memory else "0"
+    os.environ[WIRE_CODEC_ENV] = wire_codec
     os.environ.setdefault(IN_PROCESS_ENV, "0")
     return cfg, NixlEndpoint(engine_id=engine_id, host=host, port=port, role=role)

@@ -1,11 +1,15 @@
-"""The quality guard of a lossy host-pool codec (``kv-compression``), run at start-up.
+"""The quality guard of a lossy KV codec, run at start-up: the host pool's
+(``kv-compression``) and the NIXL wire's (``kv-transfer-compression``).
 
 Calibration: ``PROMPTS`` seeded prompts of ``PROMPT_BLOCKS`` full blocks and a short
 tail are each served twice with greedy decoding and the chosen tokens' logprobs:
 
 1. computed (the engine's cache holds nothing of them);
-2. after the engine's prefix cache was reset, so that every full block comes back from
-   the host pool, through the codec.
+2. with every full block restored through the codec: for the pool (:func:`calibrate`)
+   after the engine's prefix cache was reset, so that the blocks come back from the
+   pool; for the wire (:func:`calibrate_wire`) after the engine's cached blocks were
+   replaced in place by their round trip through the codec (what a decode engine holds
+   after an encoded READ), so that the prefix cache serves them.
 
 Both runs compute the same tail tokens, so what differs is only the KV the codec
 restored. :func:`judge` compares them: **agreement** is the share of prompts whose
@@ -20,7 +24,7 @@ an engine.
 from __future__ import annotations
 
 import random
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -36,6 +40,8 @@ OUTPUT_TOKENS = 16
 class Sample:
     tokens: list[int]
     logprobs: list[float]
+    cached_tokens: int = 0
+    """Prompt tokens the engine's prefix cache served."""
 
 
 @dataclass(frozen=True)
@@ -47,18 +53,21 @@ class GuardReport:
     """Mean |logprob difference| in nats per compared token."""
     max_divergence: float
     compared_tokens: int
-    pool_hit_tokens: int
+    restored_tokens: int
+    """Prompt tokens of the second run whose KV came through the codec."""
+    key: str = "kv-compression"
 
     def summary(self) -> str:
-        return (f"kv-compression {self.codec}: greedy tokens agree on {self.agreement:.0%} of "
+        source = "from the pool" if self.key == "kv-compression" else "through the codec"
+        return (f"{self.key} {self.codec}: greedy tokens agree on {self.agreement:.0%} of "
                 f"{self.prompts} calibration prompts, mean |logprob difference| "
                 f"{self.divergence:.4f} nats (max {self.max_divergence:.4f}) over "
-                f"{self.compared_tokens} tokens, {self.pool_hit_tokens} prompt tokens loaded "
-                "from the pool")
+                f"{self.compared_tokens} tokens, {self.restored_tokens} prompt tokens "
+                f"restored {source}")
 
 
 def judge(codec: str, computed: list[Sample], pooled: list[Sample],
-          pool_hit_tokens: int) -> GuardReport:
+          restored_tokens: int, key: str = "kv-compression") -> GuardReport:
     """Compare the computed and the pool-served runs of the same prompts."""
     if len(computed) != len(pooled) or not computed:
         raise ValueError("the two runs must cover the same, non-empty set of prompts")
@@ -75,14 +84,14 @@ def judge(codec: str, computed: list[Sample], pooled: list[Sample],
         codec=codec, prompts=len(computed), agreement=same / len(computed),
         divergence=sum(diffs) / len(diffs) if diffs else float("inf"),
         max_divergence=max(diffs, default=float("inf")), compared_tokens=len(diffs),
-        pool_hit_tokens=pool_hit_tokens)
+        restored_tokens=restored_tokens, key=key)
 
 
 def check(report: GuardReport, *, max_divergence: float, min_agreement: float) -> None:
     """Raise ``ConfigError`` (naming the key and the numbers) when the codec fails."""
     why = []
-    if report.pool_hit_tokens <= 0:
-        why.append("nothing was loaded from the pool, so nothing was checked")
+    if report.restored_tokens <= 0:
+        why.append("no prompt token's KV came through the codec, so nothing was checked")
     if report.divergence > max_divergence:
         why.append(f"divergence {report.divergence:.4f} > kv-compression-max-divergence "
                    f"{max_divergence}")
@@ -91,8 +100,8 @@ def check(report: GuardReport, *, max_divergence: float, min_agreement: float) -
                    f"{min_agreement:.0%}")
     if why:
         raise ConfigError(f"the quality guard refused {report.summary()}: " + "; ".join(why)
-                          + ". Use kv-compression: none (or a better codec).",
-                          key="kv-compression")
+                          + f". Use {report.key}: none (or a better codec).",
+                          key=report.key)
 
 
 class _Engine(Protocol):
@@ -112,12 +121,14 @@ def calibration_prompts(block_size: int, vocab: int = 1900, seed: int = 20261202
 async def _serve(engine: _Engine, rid: str, prompt: list[int]) -> Sample:
     tokens: list[int] = []
     logprobs: list[float] = []
+    cached = 0
     spec = SamplingSpec(temperature=0.0, max_tokens=OUTPUT_TOKENS, ignore_eos=True, logprobs=0)
     async for out in engine.generate(rid, prompt, spec):
         tokens += out.token_ids
+        cached = max(cached, out.num_cached_tokens)
         for _ids, lps in out.logprobs or ():
             logprobs.append(lps[0])
-    return Sample(tokens, logprobs)
+    return Sample(tokens, logprobs, cached)
 
 
 async def calibrate(engine: _Engine, codec: str, block_size: int,
@@ -135,3 +146,18 @@ async def calibrate(engine: _Engine, codec: str, block_size: int,
     hits_before = engine.load().kv_pool_hit_tokens
     pooled = [await _serve(engine, f"kv-guard-b{i}", p) for i, p in enumerate(prompts)]
     return judge(codec, computed, pooled, engine.load().kv_pool_hit_tokens - hits_before)
+
+
+WIRE_KEY = "kv-transfer-compression"
+
+
+async def calibrate_wire(engine: _Engine, codec: str, block_size: int,
+                         roundtrip: Callable[[], Awaitable[Any]]) -> GuardReport:
+    """Serve the calibration prompts computed, round-trip the engine's cached KV through
+    the wire codec (``roundtrip``), serve them again from the prefix cache; judge."""
+    prompts = calibration_prompts(block_size)
+    computed = [await _serve(engine, f"kv-wire-guard-a{i}", p) for i, p in enumerate(prompts)]
+    await roundtrip()
+    restored = [await _serve(engine, f"kv-wire-guard-b{i}", p) for i, p in enumerate(prompts)]
+    return judge(codec, computed, restored, sum(s.cached_tokens for s in restored),
+                 key=WIRE_KEY)

@@ -42,7 +42,7 @@ def test_codec_names_are_checked() -> None:
 def test_judge_compares_tokens_and_their_logprobs_up_to_where_runs_part() -> None:
     computed = [Sample([1, 2, 3], [-0.1, -0.2, -0.3]), Sample([4, 5], [-1.0, -1.0])]
     pooled = [Sample([1, 2, 3], [-0.1, -0.25, -0.3]), Sample([4, 6], [-1.1, -9.0])]
-    r = judge("int8", computed, pooled, pool_hit_tokens=64)
+    r = judge("int8", computed, pooled, restored_tokens=64)
     assert r.agreement == 0.5 and r.compared_tokens == 4
     assert r.divergence == pytest.approx(0.15 / 4) and r.max_divergence == pytest.approx(0.1)
     check(r, max_divergence=0.05, min_agreement=0.5)
@@ -50,6 +50,6 @@ def test_judge_compares_tokens_and_their_logprobs_up_to_where_runs_part() -> Non
         check(r, max_divergence=0.01, min_agreement=0.5)
     with pytest.raises(ConfigError, match="agreement 50% < kv-compression-min-agreement 75%"):
         check(r, max_divergence=0.05, min_agreement=0.75)
-    nothing = judge("int8", computed, computed, pool_hit_tokens=0)
-    with pytest.raises(ConfigError, match="nothing was loaded from the pool"):
+    nothing = judge("int8", computed, computed, restored_tokens=0)
+    with pytest.raises(ConfigError, match="no prompt token.s KV came through the codec"):
         check(nothing, max_divergence=1.0, min_agreement=0.0)
