@@ -17,7 +17,9 @@ what it reads: tier -> pool (``dynamo_worker_kv_tier_read_*``) plus pool -> engi
 (``dynamo_worker_kv_pool_load_seconds_total``, ``..._loaded_bytes_total``); the prefill
 side's write-through happens before the hand-off and is in the TTFT only; ``tier:CODEC``
 stores the blocks compressed (``kv-compression``), so they move compressed (``kv_bytes``
-is then the encoded size). Each size's
+is then the encoded size). ``nixl:CODEC``: NIXL with the KV encoded on the wire
+(``kv-transfer-compression``; ``kv_bytes`` the encoded size, the transfer's time includes
+the decode; the prefill side's encode is in the TTFT only). Each size's
 memcpy of the same bytes (numpy, this process) is measured in the same run, and so is a
 raw NIXL READ of them between two idle processes (``benchmarks/nixl_raw.py``; ``--raw-from
 file`` reads its stored result instead).
@@ -110,8 +112,10 @@ def run(requests: int, transport: str = "nixl") -> list[dict[str, Any]]:
             cmd += [f"--{c}.{k}" for c in ("VllmWorker", "PrefillWorker") for k in (
                 "kv-offload-gib=0.2", f"kv-offload-dir={tier}", "kv-transport=tier",
                 f"kv-compression={codec}")]
-        else:  # nixl or shm (the shipped config says auto)
-            cmd += [f"--{c}.kv-transport={transport}" for c in ("VllmWorker", "PrefillWorker")]
+        else:  # nixl, nixl:CODEC or shm (the shipped config says auto)
+            kind, _, codec = transport.partition(":")
+            cmd += [f"--{c}.{k}" for c in ("VllmWorker", "PrefillWorker") for k in (
+                f"kv-transport={kind}", f"kv-transfer-compression={codec or 'none'}")]
         server = bench.ManagedProcess(cmd, env, name=f"disagg-{transport}")
         try:
             banner, _ = server.wait_line(lambda s: "VllmWorker[0] pid=" in s, 300)
@@ -181,7 +185,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--transports", default="nixl",
-                    help="comma-separated: nixl, shm, tier, tier:CODEC (e.g. tier:int8)")
+                    help="comma-separated: nixl, nixl:CODEC (e.g. nixl:int8), shm, tier, "
+                         "tier:CODEC")
     ap.add_argument("--name", default="disagg_served")
     ap.add_argument("--raw-from", choices=["run", "file"], default="run",
                     help="raw NIXL reference: measured in this run (benchmarks/nixl_raw.py's "

@@ -1,6 +1,6 @@
 """The NIXL wire codec's quality guard (``kv-transfer-compression``) on a real vLLM engine
 with our NIXL connector: the engine's cached calibration blocks are round-tripped through
-the codec in place and served again; int8 passes, a deliberately bad codec is refused
+the codec in place and served again; int8 and fp8 pass, a deliberately bad codec is refused
 and the engine does not start."""
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ def restored_env() -> Iterator[None]:
 
 @pytest.mark.asyncio(loop_scope="session")
 @pytest.mark.parametrize("codec, passes", [
-    ("int8", True), ("tests.support.bad_codec:SignOnly", False)])
-async def test_the_wire_guard_passes_int8_and_refuses_a_bad_codec(
+    ("int8", True), ("fp8", True), ("tests.support.bad_codec:SignOnly", False)])
+async def test_the_wire_guard_passes_int8_and_fp8_and_refuses_a_bad_codec(
         model_dir: Path, codec: str, passes: bool, restored_env: None) -> None:
     kv_cfg, _ = prepare_nixl("kv_consumer", engine_id=f"wire-guard-{os.getpid()}",
                              host="127.0.0.1", wire_codec=codec)

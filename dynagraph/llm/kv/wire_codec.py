@@ -38,6 +38,7 @@ import json
 import logging
 import os
 import struct
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +47,7 @@ import numpy as np
 import torch
 
 from dynagraph.llm.kv.codec import GROUP, KvCodec, codec
+from dynagraph.llm.kv.shm_direct import Telemetry
 
 log = logging.getLogger(__name__)
 
@@ -220,7 +222,7 @@ def roundtrip(kv: KvCodec, dtype: torch.dtype, raw: torch.Tensor) -> None:
 class CodecRead:
     """A READ of a peer's shadow; decoded into the cache when NIXL reports it done."""
 
-    __slots__ = ("inner", "raw", "shadow", "raw_lens", "shadow_lens", "state")
+    __slots__ = ("inner", "raw", "shadow", "raw_lens", "shadow_lens", "state", "decode_us")
 
     def __init__(self, inner: Any, raw: np.ndarray, shadow: np.ndarray, raw_lens: np.ndarray,
                  shadow_lens: np.ndarray) -> None:
@@ -228,6 +230,7 @@ class CodecRead:
         self.raw, self.shadow = raw, shadow
         self.raw_lens, self.shadow_lens = raw_lens, shadow_lens
         self.state = "PROC"
+        self.decode_us = 0.0
 
     def __repr__(self) -> str:
         return f"CodecRead({len(self.raw)} runs, {int(self.shadow_lens.sum())} bytes, {self.state})"
@@ -433,6 +436,7 @@ class CodecNixl:
             if state != "PROC":
                 handle.state = state
             return state
+        start = time.perf_counter()
         try:
             assert self.dtype is not None
             for a, s, n, m in zip(handle.raw.tolist(), handle.shadow.tolist(),
@@ -443,13 +447,22 @@ class CodecNixl:
             log.exception("KV received as %s could not be decoded", self.codec_name)
             handle.state = "ERR"
             return "ERR"
+        handle.decode_us = (time.perf_counter() - start) * 1e6
         handle.state = "DONE"
         self.reads += 1
         return "DONE"
 
     def get_xfer_telemetry(self, handle: Any) -> Any:
-        inner = handle.inner if isinstance(handle, CodecRead) else handle
-        return self._agent.get_xfer_telemetry(inner)
+        """NIXL's, for an encoded READ with its decode added to the transfer's time (its
+        bytes are the encoded ones: what crossed the wire)."""
+        if not isinstance(handle, CodecRead):
+            return self._agent.get_xfer_telemetry(handle)
+        t = self._agent.get_xfer_telemetry(handle.inner)
+        if not hasattr(t, "xferDuration"):
+            return t
+        return Telemetry(startTime=t.startTime, postDuration=t.postDuration,
+                         xferDuration=t.xferDuration + handle.decode_us,
+                         totalBytes=t.totalBytes, descCount=t.descCount)
 
     def release_xfer_handle(self, handle: Any) -> Any:
         inner = handle.inner if isinstance(handle, CodecRead) else handle

@@ -13,6 +13,7 @@ import torch
 
 from dynagraph.llm.kv import wire_codec as wc
 from dynagraph.llm.kv.codec import Int8
+from dynagraph.llm.kv.shm_direct import Telemetry
 from tests.support.bad_codec import SignOnly
 
 BLOCK = 1024  # bytes of one block of one region (512 16-bit values)
@@ -125,8 +126,9 @@ class FakeAgent:
     def check_xfer_state(self, handle: Any) -> str:
         return "DONE"
 
-    def get_xfer_telemetry(self, handle: Any) -> str:
-        return f"telemetry of {handle[0]}"
+    def get_xfer_telemetry(self, handle: Any) -> Telemetry:
+        return Telemetry(startTime=1.0, postDuration=2.0, xferDuration=3.0,
+                         totalBytes=sum(int(r[1]) for r in handle[1]), descCount=len(handle[1]))
 
     def release_xfer_handle(self, handle: Any) -> None:
         return None
@@ -182,7 +184,8 @@ def test_a_read_from_a_peer_of_the_same_codec_moves_encoded_bytes() -> None:
         ref = blocks[there].float()
         assert (got[here].float() - ref).abs().max() < 0.02 * ref.abs().max()
     assert not got[[2, 3, 4, 6, 7]].any()
-    assert decode.get_xfer_telemetry(handle) == "telemetry of encoded"
+    tele = decode.get_xfer_telemetry(handle)  # the decode's time is the transfer's too
+    assert tele.totalBytes == 3 * BLOCK // 128 * 66 and tele.xferDuration > 3.0
     assert decode.reads == 1
 
 
