@@ -9,11 +9,13 @@ at most one engine-bearing graph runs at a time.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import re
 import subprocess
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -24,7 +26,7 @@ import pytest
 from dynagraph.runtime.infra import LocalService
 from tests.support.greedy import TOP_LOGPROBS, Greedy, assert_agrees
 from tests.support.infra import own_infra
-from tests.support.metrics import scrape
+from tests.support.metrics import scrape, total
 from tests.support.serve import ServeProcess, graph_env, served
 
 S = TypeVar("S")
@@ -150,18 +152,59 @@ class DisaggGraph:
         return out
 
 
-@pytest.fixture(scope="package")
-def disagg_graph(model_dir: Path, infra: tuple[LocalService, LocalService],
-                 agg_reference: dict[str, Greedy]) -> Iterator[DisaggGraph]:
+@contextlib.contextmanager
+def serve_disagg(model_dir: Path, infra: tuple[LocalService, LocalService],
+                 args: Sequence[str], extra_env: dict[str, str] | None = None
+                 ) -> Iterator[DisaggGraph]:
+    """``graphs.disagg`` as shipped but for ``args`` (every prompt longer than
+    ``THRESHOLD`` prefilled remotely), on ``infra``; stopped on exit."""
     etcd, nats = infra
-    env = {**graph_env(etcd.url, nats.url), "DYNAGRAPH_FAULT_INJECTION": "1"}
     with served(["graphs.disagg:Frontend", "-f", "configs/disagg.yaml", "--Frontend.port=0",
                  f"--Common.model={model_dir}",
-                 f"--VllmWorker.max-local-prefill-length={THRESHOLD}",
-                 f"--VllmWorker.remote-prefill-timeout={REMOTE_TIMEOUT}",
-                 f"--Common.prefill-queue-ack-wait={ACK_WAIT}",
-                 *NIXL_ONLY, "--PrefillWorker.ServiceArgs.workers=2"], env) as sp:
+                 f"--VllmWorker.max-local-prefill-length={THRESHOLD}", *args],
+                {**graph_env(etcd.url, nats.url), **(extra_env or {})}) as sp:
         banner = sp.wait_for_line("VllmWorker[0] pid=")
         m = re.search(r"metrics=(\S+)", banner)
         assert m is not None, banner
         yield DisaggGraph(sp, sp.url(), m.group(1), etcd.url, nats.url)
+
+
+BLOCK = 32
+BLOCK_BYTES = 64 * 1024  # the tiny model: 4 layers x K,V x 2 heads x 64 x bf16 x 32 tokens
+REMOTE = 'dynamo_worker_prefill_requests_total{reason="long-prompt",where="remote"}'
+
+
+def transferred(g: DisaggGraph) -> tuple[float, float]:
+    """The decode worker's KV transfers and their bytes so far."""
+    text = scrape(g.worker_metrics)
+    return (total(text, "dynamo_worker_kv_transfers_total"),
+            total(text, "dynamo_worker_kv_transfer_bytes_total"))
+
+
+def check_transfer(g: DisaggGraph, n: int,
+                   before: tuple[dict[str, float], tuple[float, float]],
+                   low: float, high: float = float("inf")) -> float:
+    """After a remote prompt of ``n`` tokens (``before``: the metrics and
+    :func:`transferred` just before it): one remote prefill, one transfer whose bytes are
+    within ``low``..``high``. Returns the bytes."""
+    metrics, (count, nbytes) = before
+    deadline = time.monotonic() + 5  # the step's stats reach the metrics just after it
+    while transferred(g)[0] == count:
+        assert time.monotonic() < deadline, n
+        time.sleep(0.05)
+    moved = transferred(g)[1] - nbytes
+    assert low <= moved <= high, (n, moved, low, high)
+    after = g.metrics()
+    assert after.get(REMOTE, 0) - metrics.get(REMOTE, 0) == 1, (n, metrics, after)
+    return moved
+
+
+@pytest.fixture(scope="package")
+def disagg_graph(model_dir: Path, infra: tuple[LocalService, LocalService],
+                 agg_reference: dict[str, Greedy]) -> Iterator[DisaggGraph]:
+    with serve_disagg(model_dir, infra, [
+            f"--VllmWorker.remote-prefill-timeout={REMOTE_TIMEOUT}",
+            f"--Common.prefill-queue-ack-wait={ACK_WAIT}",
+            *NIXL_ONLY, "--PrefillWorker.ServiceArgs.workers=2"],
+            {"DYNAGRAPH_FAULT_INJECTION": "1"}) as g:
+        yield g

@@ -7,14 +7,12 @@ import time
 
 import pytest
 
-from tests.e2e_disagg.conftest import DisaggGraph, check_remote_prompts
+from tests.e2e_disagg.conftest import BLOCK, REMOTE, DisaggGraph, check_remote_prompts
 from tests.support.greedy import Greedy
 from tests.support.metrics import scrape, total
 
 pytestmark = [pytest.mark.nixl, pytest.mark.vllm]
 
-BLOCK = 32
-REMOTE = 'dynamo_worker_prefill_requests_total{reason="long-prompt",where="remote"}'
 NIXL_BYTES = "vllm:nixl_bytes_transferred_sum{}"
 
 

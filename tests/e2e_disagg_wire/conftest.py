@@ -5,15 +5,13 @@ fixtures are ``tests/e2e_disagg``'s (imported: same prompts, own instances)."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from dynagraph.runtime.infra import LocalService
-from tests.e2e_disagg.conftest import NIXL_ONLY, THRESHOLD, DisaggGraph, agg_reference, infra
-from tests.support.serve import graph_env, served
+from tests.e2e_disagg.conftest import NIXL_ONLY, DisaggGraph, agg_reference, infra, serve_disagg
 
 __all__ = ["agg_reference", "infra", "wire_graph"]
 
@@ -24,12 +22,5 @@ CODEC = ["--VllmWorker.kv-transfer-compression=int8",
 @pytest.fixture(scope="package")
 def wire_graph(model_dir: Path, infra: tuple[LocalService, LocalService],
                agg_reference: object) -> Iterator[DisaggGraph]:
-    etcd, nats = infra
-    with served(["graphs.disagg:Frontend", "-f", "configs/disagg.yaml", "--Frontend.port=0",
-                 f"--Common.model={model_dir}",
-                 f"--VllmWorker.max-local-prefill-length={THRESHOLD}", *NIXL_ONLY, *CODEC],
-                graph_env(etcd.url, nats.url)) as sp:
-        banner = sp.wait_for_line("VllmWorker[0] pid=")
-        m = re.search(r"metrics=(\S+)", banner)
-        assert m is not None, banner
-        yield DisaggGraph(sp, sp.url(), m.group(1), etcd.url, nats.url)
+    with serve_disagg(model_dir, infra, [*NIXL_ONLY, *CODEC]) as g:
+        yield g

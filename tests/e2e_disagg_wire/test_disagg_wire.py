@@ -4,12 +4,16 @@ agrees with the agg graph's (within each token's lead over the runner-up)."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
-from tests.e2e_disagg.conftest import DisaggGraph, check_remote_prompts
-from tests.e2e_disagg_shm.test_disagg_shm import BLOCK, BLOCK_BYTES, REMOTE, transferred
+from tests.e2e_disagg.conftest import (
+    BLOCK,
+    BLOCK_BYTES,
+    DisaggGraph,
+    check_remote_prompts,
+    check_transfer,
+    transferred,
+)
 from tests.support.greedy import Greedy
 
 pytestmark = [pytest.mark.nixl, pytest.mark.vllm]
@@ -20,18 +24,9 @@ RATIO = 66 / 128
 def test_kv_crosses_the_wire_encoded_and_the_output_agrees_with_agg(
         wire_graph: DisaggGraph, agg_reference: dict[str, Greedy]) -> None:
     def arrived(n: int, before: tuple[dict[str, float], tuple[float, float]]) -> None:
-        metrics, (count, nbytes) = before
-        deadline = time.monotonic() + 5  # the step's stats reach the metrics just after it
-        while transferred(wire_graph)[0] == count:
-            assert time.monotonic() < deadline, n
-            time.sleep(0.05)
-        moved = transferred(wire_graph)[1] - nbytes
-        blocks = -(-n // BLOCK)
         # every full block arrived, encoded: never more than the encoded whole prompt
-        assert (n // BLOCK - 1) * BLOCK_BYTES * RATIO <= moved <= blocks * BLOCK_BYTES * RATIO, \
-            (n, moved)
-        after = wire_graph.metrics()
-        assert after.get(REMOTE, 0) - metrics.get(REMOTE, 0) == 1, (n, metrics, after)
+        check_transfer(wire_graph, n, before, low=(n // BLOCK - 1) * BLOCK_BYTES * RATIO,
+                       high=-(-n // BLOCK) * BLOCK_BYTES * RATIO)
 
     remote = check_remote_prompts(wire_graph, agg_reference,
                                   lambda: (wire_graph.metrics(), transferred(wire_graph)),

@@ -538,13 +538,16 @@ class VllmEngine:
                                   "prompts from the prefix cache: set enable-prefix-caching",
                                   key=WIRE_KEY)
             moved: list[int] = []
+            took: list[float] = []
 
             async def roundtrip() -> None:
+                began = time.monotonic()
                 moved.extend(await self._llm.collective_rpc(ROUNDTRIP_RPC))
+                took.append(time.monotonic() - began)
 
             report = await calibrate_wire(self, codec, self.args.block_size, roundtrip)
-            log.info("quality guard: %s (%.2f GiB of KV round-tripped)", report.summary(),
-                     sum(moved) / 2**30)
+            log.info("quality guard: %s (%.2f GiB of KV round-tripped in %.1f s)",
+                     report.summary(), sum(moved) / 2**30, sum(took))
             if sum(moved) <= 0:
                 raise ConfigError(f"{WIRE_KEY} {codec}: the engine's KV is not in a wire "
                                   "shadow (it needs a 16-bit KV cache)", key=WIRE_KEY)
