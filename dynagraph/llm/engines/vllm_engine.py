@@ -22,7 +22,7 @@ import os
 import sys
 import time
 import warnings
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Literal
 
 from pydantic import (
@@ -504,30 +504,43 @@ class VllmEngine:
             pass
         log.info("warm-up request: %.0f ms", (time.monotonic() - began) * 1000)
 
-    async def _guard_compression(self) -> None:
-        """Run the lossy pool codec's quality guard; refuse to start if it fails."""
-        from dynagraph.llm.kv.quality_guard import calibrate, check
+    async def _judged(self, calibrated: Callable[[], Awaitable[Any]]) -> Any:
+        """``calibrated()``'s quality guard report, checked against this worker's limits;
+        the engine is shut down if it or the check raises (the worker refuses to start)."""
+        from dynagraph.llm.kv.quality_guard import check
 
-        progress.report("loading", f"kv-compression {self.args.kv_compression}: quality guard")
         try:
-            report = await calibrate(self, self.args.kv_compression, self.args.block_size,
-                                     self._llm.reset_prefix_cache)
-            log.info("quality guard: %s", report.summary())
+            report = await calibrated()
             check(report, max_divergence=self.args.kv_compression_max_divergence,
                   min_agreement=self.args.kv_compression_min_agreement)
         except BaseException:
             await self.shutdown()
             raise
-        self.guard_report = report
+        return report
+
+    async def _guard_compression(self) -> None:
+        """Run the lossy pool codec's quality guard; refuse to start if it fails."""
+        from dynagraph.llm.kv.quality_guard import GuardReport, calibrate
+
+        progress.report("loading", f"kv-compression {self.args.kv_compression}: quality guard")
+
+        async def calibrated() -> GuardReport:
+            report = await calibrate(self, self.args.kv_compression, self.args.block_size,
+                                     self._llm.reset_prefix_cache)
+            log.info("quality guard: %s", report.summary())
+            return report
+
+        self.guard_report = await self._judged(calibrated)
 
     async def _guard_wire_compression(self) -> None:
         """Run the NIXL wire codec's quality guard; refuse to start if it fails."""
-        from dynagraph.llm.kv.quality_guard import WIRE_KEY, calibrate_wire, check
+        from dynagraph.llm.kv.quality_guard import WIRE_KEY, GuardReport, calibrate_wire
         from dynagraph.llm.kv.wire_codec import ROUNDTRIP_RPC
 
         codec = self.args.kv_transfer_compression
         progress.report("loading", f"{WIRE_KEY} {codec}: quality guard")
-        try:
+
+        async def calibrated() -> GuardReport:
             if not (self.args.kv_transfer_config or {}).get("kv_connector_module_path"):
                 raise ConfigError(f"{WIRE_KEY} {codec} compresses a remote prefill's KV on "
                                   "the NIXL wire: this engine has no NIXL connector (set it "
@@ -551,12 +564,9 @@ class VllmEngine:
             if sum(moved) <= 0:
                 raise ConfigError(f"{WIRE_KEY} {codec}: the engine's KV is not in a wire "
                                   "shadow (it needs a 16-bit KV cache)", key=WIRE_KEY)
-            check(report, max_divergence=self.args.kv_compression_max_divergence,
-                  min_agreement=self.args.kv_compression_min_agreement)
-        except BaseException:
-            await self.shutdown()
-            raise
-        self.wire_guard_report = report
+            return report
+
+        self.wire_guard_report = await self._judged(calibrated)
 
     async def shutdown(self) -> None:
         llm, self._llm = self._llm, None
