@@ -292,14 +292,26 @@ def merge_runs(dst: np.ndarray, src: np.ndarray,
                lens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Descriptor pairs (copy ``lens[i]`` bytes from ``src[i]`` to ``dst[i]``) merged
     into runs that are contiguous on both sides, in order."""
-    dst = np.asarray(dst, np.uint64)
-    src = np.asarray(src, np.uint64)
+    d, s, n = merge_ranges(dst, src, lens=lens)
+    return d, s, n
+
+
+def merge_ranges(first: np.ndarray, *others: np.ndarray, lens: np.ndarray,
+                 other_lens: np.ndarray | None = None) -> tuple[np.ndarray, ...]:
+    """Ranges ``(first[i], lens[i])`` and ``(others[k][i], other_lens[i])`` (``lens`` when
+    None: the same sizes) merged where each follows the one before on every side; returns
+    the sides' run starts, then the runs' ``lens`` (and ``other_lens``) sums."""
     lens = np.asarray(lens, np.uint64)
-    if len(dst) == 0:
-        return dst, src, lens
-    follows = (dst[1:] == dst[:-1] + lens[:-1]) & (src[1:] == src[:-1] + lens[:-1])
+    sizes = lens if other_lens is None else np.asarray(other_lens, np.uint64)
+    cols = [np.asarray(first, np.uint64), *(np.asarray(o, np.uint64) for o in others)]
+    sums = [lens] if other_lens is None else [lens, sizes]
+    if len(lens) == 0:
+        return (*cols, *sums)
+    follows = cols[0][1:] == cols[0][:-1] + lens[:-1]
+    for col in cols[1:]:
+        follows &= col[1:] == col[:-1] + sizes[:-1]
     starts = np.concatenate(([0], np.flatnonzero(~follows) + 1))
-    return dst[starts], src[starts], np.add.reduceat(lens, starts)
+    return (*(c[starts] for c in cols), *(np.add.reduceat(x, starts) for x in sums))
 
 
 def copy(dst: np.ndarray, src: np.ndarray, lens: np.ndarray) -> int:
@@ -370,7 +382,7 @@ class ShmNixl:
     # descriptor lists
     def get_xfer_descs(self, descs: Any, *args: Any, **kwargs: Any) -> Any:
         out = self._agent.get_xfer_descs(descs, *args, **kwargs)
-        rows = _rows(descs)
+        rows = descriptor_rows(descs)
         if rows is not None:
             self._arrays[id(out)] = (out, rows)
             while len(self._arrays) > 16:  # lists never prepared (none in vLLM today)
@@ -381,7 +393,8 @@ class ShmNixl:
                         **kwargs: Any) -> Any:
         handle = self._agent.prep_xfer_dlist(agent_name, xfer_list, *args, **kwargs)
         held = self._arrays.pop(id(xfer_list), None)
-        rows = held[1] if held is not None and held[0] is xfer_list else _rows(xfer_list)
+        rows = (held[1] if held is not None and held[0] is xfer_list
+                else descriptor_rows(xfer_list))
         if rows is None:
             return handle
         addrs: np.ndarray | None = rows[:, 0]
@@ -407,7 +420,7 @@ class ShmNixl:
         return self._agent.release_dlist_handle(handle)
 
     def peer(self, agent_name: str | bytes) -> PeerMemory | None:
-        name = _text(agent_name)
+        name = agent_text(agent_name)
         if name not in self._peers:
             self._peers[name] = PeerMemory.open(name, self._dir)
             if self._peers[name] is not None:
@@ -416,10 +429,10 @@ class ShmNixl:
 
     def forget(self, agent: str | bytes) -> None:
         """Unmap ``agent``'s memory (once its reads are gone): its READs go to NIXL."""
-        self._peers.pop(_text(agent), None)
+        self._peers.pop(agent_text(agent), None)
         for key, (_, dl) in list(self._lists.items()):  # a snapshot: handshakes add lists
             # from their own thread
-            if dl.agent != LOCAL_AGENT and _text(dl.agent) == _text(agent):
+            if dl.agent != LOCAL_AGENT and agent_text(dl.agent) == agent_text(agent):
                 self._lists.pop(key, None)
 
     def remove_remote_agent(self, agent: str | bytes) -> Any:
@@ -475,7 +488,7 @@ class ShmNixl:
                 self._agent.send_notif(handle.agent, notif_msg=notif)
             except Exception as exc:  # the KV is here; the peer frees it at its lease's end
                 log.warning("KV copied from NIXL agent %s, its notification failed: %s",
-                            _text(handle.agent), exc)
+                            agent_text(handle.agent), exc)
         handle.state = "DONE"
         self.copies += 1
         return "DONE"
@@ -496,11 +509,11 @@ class ShmNixl:
         return self._agent.release_xfer_handle(handle)
 
 
-def _text(name: str | bytes) -> str:
+def agent_text(name: str | bytes) -> str:
     return name.decode() if isinstance(name, bytes) else name
 
 
-def _rows(descs: Any) -> np.ndarray | None:
+def descriptor_rows(descs: Any) -> np.ndarray | None:
     """An ``N x 3`` (address, length, device) descriptor array as uint64, else None."""
     if isinstance(descs, np.ndarray) and descs.ndim == 2 and descs.shape[1] == 3:
         return np.asarray(descs, dtype=np.uint64).copy()

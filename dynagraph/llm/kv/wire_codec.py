@@ -47,7 +47,13 @@ import numpy as np
 import torch
 
 from dynagraph.llm.kv.codec import GROUP, KvCodec, codec
-from dynagraph.llm.kv.shm_direct import Telemetry
+from dynagraph.llm.kv.shm_direct import (
+    LOCAL_AGENT,
+    Telemetry,
+    agent_text,
+    descriptor_rows,
+    merge_ranges,
+)
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +68,6 @@ RAW_GROUP = GROUP * 2
 """Bytes of one group of 16-bit values."""
 MAGIC = b"DGWC1"
 _TRAILER = struct.Struct("<I")
-LOCAL_AGENT = "NIXL_INIT_AGENT"
 CHUNK_GROUPS = 1 << 16
 """Groups encoded or decoded at a time (8 MiB of raw KV): bounds the temporaries."""
 
@@ -164,25 +169,6 @@ def block_ranges(bases: Iterable[int], block_lens: Iterable[int], strides: Itera
 # ---- the codec over memory ranges --------------------------------------------------------
 
 
-def merge_runs(*sides: np.ndarray, lens: np.ndarray,
-               other_lens: np.ndarray | None = None) -> tuple[np.ndarray, ...]:
-    """Ranges ``(sides[k][i], lens[i])`` merged where they follow each other on every
-    side; ``other_lens`` (if given) are merged along (lengths in a second unit)."""
-    lens = np.asarray(lens, np.uint64)
-    cols = [np.asarray(s, np.uint64) for s in sides]
-    if len(lens) == 0:
-        return (*cols, lens) + (() if other_lens is None else (other_lens,))
-    step = [lens] * len(cols) if other_lens is None else [lens] + [other_lens] * (len(cols) - 1)
-    follows = np.ones(len(lens) - 1, bool)
-    for col, n in zip(cols, step, strict=True):
-        follows &= col[1:] == col[:-1] + n[:-1]
-    starts = np.concatenate(([0], np.flatnonzero(~follows) + 1))
-    merged = tuple(c[starts] for c in cols) + (np.add.reduceat(lens, starts),)
-    if other_lens is not None:
-        merged += (np.add.reduceat(np.asarray(other_lens, np.uint64), starts),)
-    return merged
-
-
 def encode_into(kv: KvCodec, dtype: torch.dtype, raw: torch.Tensor, out: torch.Tensor) -> None:
     """Encode ``raw`` (bytes of 16-bit values) into ``out`` (its encoded bytes)."""
     enc = kv.encoded_bytes(GROUP)
@@ -247,6 +233,7 @@ class CodecNixl:
         self.encoded = self.codec.encoded_bytes(GROUP)
         self.dtype: torch.dtype | None = None  # the KV cache's, set before registration
         self.local: ShadowMap | None = None
+        self._regions: list[tuple[int, int, int]] = []  # (raw base, bytes, shadow base)
         self._raw_views: list[tuple[int, torch.Tensor]] = []  # (base, view) per region
         self._shadows: list[torch.Tensor] = []
         self._reg_ranges: dict[int, list[tuple[int, int, int]]] = {}
@@ -279,7 +266,6 @@ class CodecNixl:
 
     def _add_shadows(self, ranges: list[tuple[int, int, int]], *args: Any, **kwargs: Any
                      ) -> None:
-        rows = [(b, n, s) for b, n, s in (self.local.info("")["regions"] if self.local else [])]
         for base, nbytes, _dev in ranges:
             if nbytes % RAW_GROUP:
                 log.warning("KV region at %#x (%d bytes) is not a whole number of %d-byte groups: it "
@@ -291,8 +277,8 @@ class CodecNixl:
             reg = self._agent.get_reg_descs([(shadow.data_ptr(), shadow.numel(), 0, "")],
                                             "DRAM")
             self._agent.register_memory(reg, *args, **kwargs)
-            rows.append((base, nbytes, shadow.data_ptr()))
-        self.local = ShadowMap.of(rows, self.encoded) if rows else None
+            self._regions.append((base, nbytes, shadow.data_ptr()))
+        self.local = ShadowMap.of(self._regions, self.encoded) if self._regions else None
         if self.local is not None:
             log.info("KV crosses the NIXL wire as %s: %.2f GiB of shadow memory",
                      self.codec_name, sum(s.numel() for s in self._shadows) / 2**30)
@@ -311,21 +297,22 @@ class CodecNixl:
         if self.local is None or info.get("codec") != self.codec_name \
                 or int(info.get("encoded", -1)) != self.encoded:
             log.warning("NIXL agent %s sends KV as %s, this engine reads %s: its READs are "
-                        "raw", _text(name), info.get("codec"),
+                        "raw", agent_text(name), info.get("codec"),
                         self.codec_name if self.local is not None else "raw")
             return name
-        self._peers[_text(name)] = ShadowMap.from_info(info)
+        self._peers[agent_text(name)] = ShadowMap.from_info(info)
         return name
 
     def remove_remote_agent(self, agent: str | bytes) -> Any:
-        self._peers.pop(_text(agent), None)
+        self._peers.pop(agent_text(agent), None)
         return self._agent.remove_remote_agent(agent)
 
     # descriptor lists (as shm_direct notes them)
     def get_xfer_descs(self, descs: Any, *args: Any, **kwargs: Any) -> Any:
         out = self._agent.get_xfer_descs(descs, *args, **kwargs)
-        if isinstance(descs, np.ndarray) and descs.ndim == 2 and descs.shape[1] == 3:
-            self._arrays[id(out)] = (out, np.asarray(descs, np.uint64).copy())
+        rows = descriptor_rows(descs)
+        if rows is not None:
+            self._arrays[id(out)] = (out, rows)
             while len(self._arrays) > 16:
                 del self._arrays[next(iter(self._arrays))]
         return out
@@ -351,8 +338,8 @@ class CodecNixl:
         mapped = self.local.to_shadow(addrs, lens)
         if mapped is None:
             return 0
-        raw, shadow, raw_lens, shadow_lens = merge_runs(
-            addrs, mapped[0], lens=np.asarray(lens, np.uint64), other_lens=mapped[1])
+        raw, shadow, raw_lens, shadow_lens = merge_ranges(addrs, mapped[0], lens=lens,
+                                                          other_lens=mapped[1])
         for a, s, n, m in zip(raw.tolist(), shadow.tolist(), raw_lens.tolist(),
                               shadow_lens.tolist(), strict=True):
             encode_into(self.codec, self.dtype, memory(a, n), memory(s, m))
@@ -396,7 +383,7 @@ class CodecNixl:
         if local is None or remote is None or local[0] is not local_side \
                 or remote[0] is not remote_side or remote[1] in (LOCAL_AGENT, ""):
             return None
-        peer = self._peers.get(_text(remote[1]))
+        peer = self._peers.get(agent_text(remote[1]))
         if peer is None or self._copied_raw(remote[1]) or self.local is None:
             return None
         li = np.asarray(local_indices, np.int64)
@@ -408,8 +395,8 @@ class CodecNixl:
         there = peer.to_shadow(rrows[:, 0], rrows[:, 1])
         if here is None or there is None:
             return None
-        raw, dst, src, raw_lens, lens = merge_runs(lrows[:, 0], here[0], there[0],
-                                                   lens=lrows[:, 1], other_lens=here[1])
+        raw, dst, src, raw_lens, lens = merge_ranges(lrows[:, 0], here[0], there[0],
+                                                     lens=lrows[:, 1], other_lens=here[1])
         dev_here = np.full(len(dst), lrows[0, 2] if len(lrows) else 0, np.uint64)
         dev_there = np.full(len(src), rrows[0, 2] if len(rrows) else 0, np.uint64)
         local_descs = self._agent.get_xfer_descs(np.stack([dst, lens, dev_here], 1), "DRAM")
@@ -468,6 +455,3 @@ class CodecNixl:
         inner = handle.inner if isinstance(handle, CodecRead) else handle
         return self._agent.release_xfer_handle(inner)
 
-
-def _text(name: str | bytes) -> str:
-    return name.decode() if isinstance(name, bytes) else name

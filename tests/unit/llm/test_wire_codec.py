@@ -13,7 +13,7 @@ import torch
 
 from dynagraph.llm.kv import wire_codec as wc
 from dynagraph.llm.kv.codec import Int8
-from dynagraph.llm.kv.shm_direct import Telemetry
+from dynagraph.llm.kv.shm_direct import Telemetry, merge_ranges
 from tests.support.bad_codec import SignOnly
 
 BLOCK = 1024  # bytes of one block of one region (512 16-bit values)
@@ -55,8 +55,8 @@ def test_runs_merge_where_every_side_follows_on() -> None:
     raw = np.array([0, 128, 256, 1024], np.uint64)
     here = np.array([0, 66, 132, 528], np.uint64)
     there = np.array([10, 76, 500, 566], np.uint64)
-    merged = wc.merge_runs(raw, here, there, lens=np.full(4, 128, np.uint64),
-                           other_lens=np.full(4, 66, np.uint64))
+    merged = merge_ranges(raw, here, there, lens=np.full(4, 128, np.uint64),
+                          other_lens=np.full(4, 66, np.uint64))
     assert [m.tolist() for m in merged] == [[0, 256, 1024], [0, 132, 528], [10, 500, 566],
                                             [256, 128, 128], [132, 66, 66]]
 
