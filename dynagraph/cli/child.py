@@ -33,6 +33,7 @@ from dynagraph.cli._logging import exit_now, setup_logging
 from dynagraph.cli.serve_part import SERVE_ID_ENV
 from dynagraph.errors import ConfigError, InfraError
 from dynagraph.observability.task_dump import install_task_dump
+from dynagraph.runtime import event_loop
 from dynagraph.runtime.addresses import host_from_env, publish_guard
 from dynagraph.runtime.discovery import discovery_from_env
 from dynagraph.sdk._config import callees_first, instances_per_process
@@ -176,7 +177,10 @@ def main(argv: list[str] | None = None) -> int:
         spec = json.load(f)
     sys.path.insert(0, spec.get("cwd", os.getcwd()))
     try:
-        return asyncio.run(run(spec, args.component, args.index))
+        return event_loop.run(lambda: run(spec, args.component, args.index), os.environ)
+    except ConfigError as exc:
+        log.error("%s[%d] cannot start: %s", args.component, args.index, exc)
+        return 1
     except Exception:
         log.exception("%s[%d] failed", args.component, args.index)
         return 1
