@@ -85,10 +85,10 @@ def _env() -> dict[str, str]:
     return {**env, **ENGINE_ENV}
 
 
-def start_ours(model: Path, args: argparse.Namespace, extra: tuple[str, ...] = ()
-               ) -> tuple[ManagedProcess, str]:
+def start_ours(model: Path, args: argparse.Namespace, extra: tuple[str, ...] = (),
+               env: dict[str, str] | None = None) -> tuple[ManagedProcess, str]:
     """``dynamo serve graphs.agg:Frontend`` (embedded etcd/NATS) on a free port; ``extra``:
-    more overrides."""
+    more overrides; ``env``: more environment variables."""
     mml = str(args.max_model_len)
     cmd = [sys.executable, "-m", "dynagraph.cli.main", "serve", "graphs.agg:Frontend",
            "-f", "configs/agg.yaml", "--Frontend.port=0", f"--Common.model={model}",
@@ -97,7 +97,7 @@ def start_ours(model: Path, args: argparse.Namespace, extra: tuple[str, ...] = (
            f"--VllmWorker.max-model-len={mml}", f"--VllmWorker.max-num-seqs={args.max_num_seqs}",
            "--VllmWorker.block-size=32", "--VllmWorker.kv-cache-space-gib=1",
            "--VllmWorker.enforce-eager=true", *extra]
-    proc = ManagedProcess(cmd, _env(), name="dynamo serve")
+    proc = ManagedProcess(cmd, {**_env(), **(env or {})}, name="dynamo serve")
     try:
         proc.wait_line(lambda s: "dynamo serve: graph " in s and " ready in " in s,
                        args.start_timeout)

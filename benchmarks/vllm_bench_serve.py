@@ -40,20 +40,33 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import REPO, ManagedProcess, machine_info, wait_quiet, write_results  # noqa: E402
+from benchmarks._common import (  # noqa: E402
+    REPO,
+    ManagedProcess,
+    cpu_delta,
+    machine_info,
+    process_tree_cpu,
+    wait_quiet,
+    write_results,
+)
 from benchmarks.agg_vs_vllm import MODEL_NAME, _env, start_ours, start_vllm  # noqa: E402
+from dynagraph.runtime.event_loop import EVENT_LOOP_ENV  # noqa: E402
 
 SEPARATE = "--Processor.ServiceArgs.embed-in=null"
 NICE0 = "--VllmWorker.engine-nice=0"
 ONE_PROCESS = "--VllmWorker.ServiceArgs.embed-in=Frontend"
 SYSTEMS = {"ours": (), "ours-separate": (SEPARATE,), "ours-nice0": (NICE0,),
            "ours-separate-nice0": (SEPARATE, NICE0), "ours-1proc": (ONE_PROCESS, NICE0),
-           "ours-1proc-nice19": (ONE_PROCESS,)}
+           "ours-1proc-nice19": (ONE_PROCESS,), "ours-asyncio": (),
+           "ours-1proc-asyncio": (ONE_PROCESS, NICE0)}
 """Our graph's variants: overrides of ``benchmarks/agg_vs_vllm.py``'s agg graph (as
 shipped: the Processor inside the Frontend's process; ``-separate``: in a process of its
 own; ``-nice0``: the engine at the niceness of everything else, as vLLM's server runs it,
 instead of 19; ``-1proc``: the VllmWorker in the Frontend's process too, engine at
-niceness 0: vLLM's own layout, one API process and the engine core)."""
+niceness 0: vLLM's own layout, one API process and the engine core; ``-asyncio``: the
+component processes on asyncio's event loop instead of uvloop)."""
+SYSTEM_ENV = {"ours-asyncio": {EVENT_LOOP_ENV: "asyncio"},
+              "ours-1proc-asyncio": {EVENT_LOOP_ENV: "asyncio"}}
 
 log = logging.getLogger("bench.vllm_bench_serve")
 
@@ -107,6 +120,18 @@ def run_bench(url: str, model: Path, concurrency: int, seed: int,
     return result
 
 
+def cpu_per_token(used: dict[str, float], tokens: int) -> dict[str, float]:
+    """CPU microseconds per output token of a run: the server's engine processes
+    (``VLLM::*``) and the rest of it (HTTP, pre/post-processing, our workers' engine
+    clients; etcd and NATS are left out), from ``process_tree_cpu`` deltas (pure)."""
+    engine = sum(v for k, v in used.items() if k.startswith("VLLM::"))
+    infra = sum(v for k, v in used.items() if k.split(":")[0] in ("etcd", "nats-server"))
+    front = sum(used.values()) - engine - infra
+    per = 1e6 / max(tokens, 1)
+    return {"front_cpu_us_per_token": round(front * per, 1),
+            "engine_cpu_us_per_token": round(engine * per, 1)}
+
+
 def ratios(ours: list[dict[str, float]], vllm: list[dict[str, float]]
            ) -> dict[str, list[float]]:
     """Per round: ours / vLLM of each metric, and the TTFT p50 overhead in ms (pure)."""
@@ -158,7 +183,9 @@ def markdown(result: dict[str, Any]) -> str:
         f"servers ({', '.join(s['systems'].split(','))}) in rotating order, all up for the "
         "whole run (engine settings of `benchmarks/agg_vs_vllm.py`; `ours`: configs/agg.yaml, "
         "the Processor inside the Frontend's process; `-separate`: in its own process; "
-        "`-nice0`: engine-nice 0 instead of 19). Medians over rounds:", "",
+        "`-nice0`: engine-nice 0 instead of 19; `-1proc`: the VllmWorker in the Frontend's "
+        "process too, engine-nice 0; `-asyncio`: asyncio's event loop instead of uvloop). "
+        "Medians over rounds:", "",
         "| concurrency | system | output tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms "
         "| ITL p50 ms |",
         "| --- | --- | --- | --- | --- | --- | --- |",
@@ -183,6 +210,19 @@ def markdown(result: dict[str, Any]) -> str:
             ok = met(versus)
             cells.append(", ".join(k for k, v in ok.items() if v) or "none")
             lines.append(f"| {c} | {system} | " + " | ".join(cells) + " |")
+    cpu = [(c, system, [row[k] for row in rows])
+           for c, runs in result["runs"].items() for system, rows in runs.items()
+           for k in ("front_cpu_us_per_token",) if all(k in row for row in rows)]
+    if cpu:
+        lines += ["", "CPU per output token (median of rounds, us; front: every process of "
+                  "the server but the engine's `VLLM::*` ones, etcd and NATS):", "",
+                  "| concurrency | system | front | engine |", "| --- | --- | --- | --- |"]
+        for c, system, _ in cpu:
+            rows = result["runs"][c][system]
+            med = {k: statistics.median(row[k] for row in rows)
+                   for k in ("front_cpu_us_per_token", "engine_cpu_us_per_token")}
+            lines.append(f"| {c} | {system} | {med['front_cpu_us_per_token']:.1f} | "
+                         f"{med['engine_cpu_us_per_token']:.1f} |")
     lines += ["", "Output tok/s per round: " + "; ".join(
         f"c{c} {system}: " + ", ".join(f"{row['output_tok_s']:,.0f}" for row in rows)
         for c, runs in result["runs"].items() for system, rows in runs.items()), ""]
@@ -228,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
         for system in systems:
             t0 = time.monotonic()
             servers[system] = (start_vllm(model, args) if system == "vllm"
-                               else start_ours(model, args, SYSTEMS[system]))
+                               else start_ours(model, args, SYSTEMS[system],
+                                               SYSTEM_ENV.get(system)))
             log.info("%s ready in %.1f s at %s", system, time.monotonic() - t0,
                      servers[system][1])
         pids = [proc.proc.pid for proc, _ in servers.values()]
@@ -239,8 +280,11 @@ def main(argv: list[str] | None = None) -> int:
                 turn += 1
                 for system in order:
                     wait_quiet(pids)
+                    before = process_tree_cpu(servers[system][0].proc.pid)
                     got = run_bench(servers[system][1], model, c, seed=r, args=args)
+                    used = cpu_delta(before, process_tree_cpu(servers[system][0].proc.pid))
                     row = {k: round(float(got[v]), 3) for k, v in METRICS.items()}
+                    row.update(cpu_per_token(used, int(got["total_output_tokens"])))
                     runs[c][system].append(row)
                     log.info("round %d c%d %s: %s", r + 1, c, system, row)
     finally:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from benchmarks.vllm_bench_serve import bench_command, met, ratios, summarize_level
+from benchmarks.vllm_bench_serve import bench_command, cpu_per_token, met, ratios, summarize_level
 
 
 def _args(**kw: object) -> argparse.Namespace:
@@ -52,3 +52,12 @@ def test_ratios_are_per_round_and_the_overhead_in_ms() -> None:
     assert met(level["vs_vllm"]["ours-nice0"]) == {
         "output_tok_s": True, "ttft_p99": True, "ttft_p50_overhead": True}
     assert level["median"]["vllm"]["output_tok_s"] == 1000
+
+
+def test_cpu_per_token_splits_the_engine_from_the_rest_and_leaves_out_infra() -> None:
+    used = {"Frontend:11": 2.0, "VllmWorker:12": 1.0, "VLLM::EngineCor:13": 3.0,
+            "VLLM::Worker:14": 1.0, "etcd:15": 0.5, "nats-server:16": 0.5}
+    assert cpu_per_token(used, 10_000) == {"front_cpu_us_per_token": 300.0,
+                                           "engine_cpu_us_per_token": 400.0}
+    assert cpu_per_token({}, 0) == {"front_cpu_us_per_token": 0.0,
+                                    "engine_cpu_us_per_token": 0.0}
