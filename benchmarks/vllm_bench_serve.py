@@ -210,19 +210,17 @@ def markdown(result: dict[str, Any]) -> str:
             ok = met(versus)
             cells.append(", ".join(k for k, v in ok.items() if v) or "none")
             lines.append(f"| {c} | {system} | " + " | ".join(cells) + " |")
-    cpu = [(c, system, [row[k] for row in rows])
-           for c, runs in result["runs"].items() for system, rows in runs.items()
-           for k in ("front_cpu_us_per_token",) if all(k in row for row in rows)]
+    cpu = [(c, system, rows) for c, runs in result["runs"].items()
+           for system, rows in runs.items()
+           if rows and all("front_cpu_us_per_token" in row for row in rows)]  # older results: none
     if cpu:
         lines += ["", "CPU per output token (median of rounds, us; front: every process of "
                   "the server but the engine's `VLLM::*` ones, etcd and NATS):", "",
                   "| concurrency | system | front | engine |", "| --- | --- | --- | --- |"]
-        for c, system, _ in cpu:
-            rows = result["runs"][c][system]
-            med = {k: statistics.median(row[k] for row in rows)
-                   for k in ("front_cpu_us_per_token", "engine_cpu_us_per_token")}
-            lines.append(f"| {c} | {system} | {med['front_cpu_us_per_token']:.1f} | "
-                         f"{med['engine_cpu_us_per_token']:.1f} |")
+        for c, system, rows in cpu:
+            front, engine = (statistics.median(row[k] for row in rows) for k in
+                             ("front_cpu_us_per_token", "engine_cpu_us_per_token"))
+            lines.append(f"| {c} | {system} | {front:.1f} | {engine:.1f} |")
     lines += ["", "Output tok/s per round: " + "; ".join(
         f"c{c} {system}: " + ", ".join(f"{row['output_tok_s']:,.0f}" for row in rows)
         for c, runs in result["runs"].items() for system, rows in runs.items()), ""]
