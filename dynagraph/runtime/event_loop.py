@@ -2,11 +2,12 @@
 
 Every token of a stream passes through the event loops of the processes on its path
 (socket reads and writes, task wake-ups), so the loop's own cost is paid per token.
-uvloop (libuv) does that work in C: at 64 streams on the agg graph as shipped it cut
-the Frontend's CPU time by ~15% and the VllmWorker's by ~8% for the same tokens, and
-vLLM's own server runs on it too. ``DYNAGRAPH_EVENT_LOOP=asyncio`` keeps asyncio's
-loop (to compare, or where uvloop misbehaves); ``uvloop`` (the default) falls back to
-asyncio's with a warning when uvloop cannot be imported.
+uvloop (libuv) does that work in C, and vLLM's own server runs on it too. The gain is
+small: on the agg graph as shipped, 151 / 127 us of CPU per output token at 16 / 64
+streams outside the engine against 164 / 129 on asyncio's loop
+(``benchmarks/results/vllm_bench_serve_uvloop.md``). ``DYNAGRAPH_EVENT_LOOP=asyncio``
+keeps asyncio's loop (to compare, or where uvloop misbehaves); ``uvloop`` (the default)
+falls back to asyncio's with a warning when uvloop cannot be imported.
 """
 
 from __future__ import annotations
