@@ -1,12 +1,16 @@
 """Throughput of the KV block codecs (``dynagraph.llm.kv.codec``) on the CPU or a GPU.
 
     python benchmarks/kv_codec.py [--device cpu|cuda] [--blocks 64] [--page-values 8192]
-        [--compile] [--name kv_codec_cpu]
+        [--threads N] [--compile] [--name kv_codec_cpu]
 
 Encodes and decodes ``--blocks`` rows of ``--page-values`` bfloat16 values (one layer's
 K+V page of a block: the tiny model's 32-token page is 8192 values; Llama-3-8B's
 16-token page is 16 x 8 KV heads x 128 x 2 = 32768) and reports GB/s of raw KV in and
 out, the compression ratio and the error relative to each group's largest value.
+The ``wire`` rows time the same bytes through ``wire_codec.encode_into`` /
+``decode_into`` (a scale after each group, written into preallocated memory: what a
+prefill engine does before a READ and a decode engine after it); ``--threads`` sets
+torch's CPU threads (a vLLM CPU engine gives its process one per bound core).
 ``--compile`` also times each codec under ``torch.compile`` (fused kernels; on a GPU an
 order of magnitude faster than eager; int8 may round a few values differently). ``none``
 is a view of the same bytes, no work: its rates only show the timing floor.
@@ -27,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
+from dynagraph.llm.kv import wire_codec  # noqa: E402
 from dynagraph.llm.kv.codec import GROUP, codec  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -68,29 +73,54 @@ def measure(name: str, rows: torch.Tensor, reps: int, compiled: bool = False) ->
             "max_rel_error": float((err / scale.clamp(min=1e-12)).max())}
 
 
+def measure_wire(name: str, rows: torch.Tensor, reps: int) -> dict[str, Any]:
+    c = codec(name)
+    device = str(rows.device)
+    raw = rows.reshape(-1).view(torch.uint8)
+    shadow = torch.empty(raw.numel() // (2 * GROUP) * c.encoded_bytes(GROUP),
+                         dtype=torch.uint8, device=rows.device)
+    back = torch.empty_like(raw)
+    enc = timed(lambda: wire_codec.encode_into(c, rows.dtype, raw, shadow), device, reps)
+    dec = timed(lambda: wire_codec.decode_into(c, rows.dtype, shadow, back), device, reps)
+    restored = back.view(rows.dtype).float().reshape(-1, GROUP)
+    groups = rows.float().reshape(-1, GROUP)
+    err = (restored - groups).abs() / groups.abs().amax(dim=1, keepdim=True).clamp(min=1e-12)
+    n = raw.numel()
+    return {"codec": f"{name} (wire)", "raw_bytes": n, "encoded_bytes": shadow.numel(),
+            "ratio": n / shadow.numel(), "encode_ms": enc * 1e3, "decode_ms": dec * 1e3,
+            "encode_gbps": n / enc / 1e9, "decode_gbps": n / dec / 1e9,
+            "max_rel_error": float(err.max())}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cpu")
     p.add_argument("--blocks", type=int, default=64)
     p.add_argument("--page-values", type=int, default=8192)
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's)")
     p.add_argument("--compile", action="store_true")
     p.add_argument("--name", default=None)
     args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     rows = (torch.randn(args.blocks, args.page_values, device=args.device) * 0.5).to(
         torch.bfloat16)
     results = [measure(n, rows, args.reps) for n in ("none", "int8", "fp8")]
+    results += [measure_wire(n, rows, args.reps) for n in ("int8", "fp8")]
     if args.compile:
         results += [measure(n, rows, args.reps, compiled=True) for n in ("int8", "fp8")]
     where = (torch.cuda.get_device_name() if args.device.startswith("cuda")
-             else f"CPU, {torch.get_num_threads()} threads")
+             else f"CPU, {torch.get_num_threads()} thread(s)")
     lines = [f"# KV codec throughput ({where})", "",
              f"`python benchmarks/kv_codec.py --device {args.device} --blocks {args.blocks} "
-             f"--page-values {args.page_values}{' --compile' if args.compile else ''}` at "
+             f"--page-values {args.page_values}"
+             f"{f' --threads {args.threads}' if args.threads else ''}"
+             f"{' --compile' if args.compile else ''}` at "
              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, torch {torch.__version__}: "
              f"{args.blocks} rows of {args.page_values} bfloat16 values "
-             f"({rows.numel() * 2 / 2**20:.1f} MiB raw), median of {args.reps} runs each.", "",
+             f"({rows.numel() * 2 / 2**20:.1f} MiB raw), mean of {args.reps} runs each.", "",
              "| codec | ratio | encode ms (GB/s raw) | decode ms (GB/s raw) | max error / group max |",
              "|---|---|---|---|---|"]
     for r in results:

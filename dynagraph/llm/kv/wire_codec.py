@@ -39,14 +39,14 @@ import logging
 import os
 import struct
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from dynagraph.llm.kv.codec import GROUP, KvCodec, codec
+from dynagraph.llm.kv.codec import CHUNK_VALUES, GROUP, KvCodec, codec, group_kernels
 from dynagraph.llm.kv.shm_direct import (
     LOCAL_AGENT,
     Telemetry,
@@ -69,7 +69,8 @@ RAW_GROUP = GROUP * 2
 MAGIC = b"DGWC1"
 _TRAILER = struct.Struct("<I")
 CHUNK_GROUPS = 1 << 16
-"""Groups encoded or decoded at a time (8 MiB of raw KV): bounds the temporaries."""
+"""Groups another codec (``module:Class``) encodes or decodes at a time (8 MiB of raw KV):
+bounds the temporaries. The built-in ones work on ``CHUNK_VALUES`` at a time."""
 
 
 def wire_codec(environ: Mapping[str, str] = os.environ) -> str | None:
@@ -169,24 +170,37 @@ def block_ranges(bases: Iterable[int], block_lens: Iterable[int], strides: Itera
 # ---- the codec over memory ranges --------------------------------------------------------
 
 
+def _chunks(groups: int, grouped: bool) -> Iterator[tuple[int, int]]:
+    step = CHUNK_VALUES // GROUP if grouped else CHUNK_GROUPS
+    for g in range(0, groups, step):
+        yield g, min(step, groups - g)
+
+
 def encode_into(kv: KvCodec, dtype: torch.dtype, raw: torch.Tensor, out: torch.Tensor) -> None:
     """Encode ``raw`` (bytes of 16-bit values) into ``out`` (its encoded bytes)."""
     enc = kv.encoded_bytes(GROUP)
-    groups = raw.numel() // RAW_GROUP
-    for g in range(0, groups, CHUNK_GROUPS):
-        n = min(CHUNK_GROUPS, groups - g)
+    grouped = group_kernels(kv)
+    for g, n in _chunks(raw.numel() // RAW_GROUP, grouped is not None):
         rows = raw[g * RAW_GROUP:(g + n) * RAW_GROUP].view(dtype).view(n, GROUP)
-        out[g * enc:(g + n) * enc].copy_(kv.encode(rows).view(-1))
+        dst = out[g * enc:(g + n) * enc]
+        if grouped is not None:  # straight into the shadow: [GROUP bytes | scale]
+            d = dst.view(n, enc)
+            grouped.encode_groups(rows, d[:, :GROUP], d[:, GROUP:].view(torch.float16))
+        else:
+            dst.copy_(kv.encode(rows).view(-1))
 
 
 def decode_into(kv: KvCodec, dtype: torch.dtype, data: torch.Tensor, raw: torch.Tensor) -> None:
     """Decode ``data`` (encoded groups) into ``raw``."""
     enc = kv.encoded_bytes(GROUP)
-    groups = data.numel() // enc
-    for g in range(0, groups, CHUNK_GROUPS):
-        n = min(CHUNK_GROUPS, groups - g)
-        rows = kv.decode(data[g * enc:(g + n) * enc].view(n, enc), GROUP, dtype)
-        raw[g * RAW_GROUP:(g + n) * RAW_GROUP].view(dtype).copy_(rows.reshape(-1))
+    grouped = group_kernels(kv)
+    for g, n in _chunks(data.numel() // enc, grouped is not None):
+        d = data[g * enc:(g + n) * enc].view(n, enc)
+        dst = raw[g * RAW_GROUP:(g + n) * RAW_GROUP].view(dtype).view(n, GROUP)
+        if grouped is not None:
+            grouped.decode_groups(d[:, :GROUP], d[:, GROUP:].view(torch.float16), dst)
+        else:
+            dst.copy_(kv.decode(d, GROUP, dtype))
 
 
 def roundtrip(kv: KvCodec, dtype: torch.dtype, raw: torch.Tensor) -> None:

@@ -6,8 +6,10 @@ import pytest
 import torch
 
 from dynagraph.errors import ConfigError
-from dynagraph.llm.kv.codec import GROUP, codec
+from dynagraph.llm.kv import wire_codec as wc
+from dynagraph.llm.kv.codec import CHUNK_VALUES, GROUP, codec, group_kernels
 from dynagraph.llm.kv.quality_guard import Sample, check, judge
+from tests.support.bad_codec import SignOnly
 
 
 @pytest.mark.parametrize("name, tolerance", [("none", 0.0), ("int8", 0.01), ("fp8", 0.07)])
@@ -53,3 +55,59 @@ def test_judge_compares_tokens_and_their_logprobs_up_to_where_runs_part() -> Non
     nothing = judge("int8", computed, computed, restored_tokens=0)
     with pytest.raises(ConfigError, match="no prompt token.s KV came through the codec"):
         check(nothing, max_divergence=1.0, min_agreement=0.0)
+
+
+def _first_encode(name: str, rows: torch.Tensor) -> torch.Tensor:
+    """The codecs' first implementation (whole-input passes), the reference for the
+    chunked kernels' bytes."""
+    c = codec(name)
+    n_rows, values = rows.shape
+    x = rows.reshape(n_rows, values // GROUP, GROUP).float()
+    scale = x.abs().amax(dim=2, keepdim=True).clamp(min=1e-8) / c.limit  # type: ignore[attr-defined]
+    y = x / scale
+    q = y.round().clamp(-127, 127).to(torch.int8) if name == "int8" \
+        else y.to(torch.float8_e4m3fn)
+    s = scale.reshape(n_rows, values // GROUP).to(torch.float16).view(torch.uint8)
+    return torch.cat([q.reshape(n_rows, values).view(torch.uint8), s], dim=1)
+
+
+def _first_decode(name: str, data: torch.Tensor, values: int, dtype: torch.dtype) -> torch.Tensor:
+    n_rows, groups = data.shape[0], values // GROUP
+    q = data[:, :values].contiguous().view(torch.int8 if name == "int8"
+                                           else torch.float8_e4m3fn).float()
+    s = data[:, values:].contiguous().view(torch.float16).float()
+    x = q.reshape(n_rows, groups, GROUP) * s.reshape(n_rows, groups, 1)
+    return x.reshape(n_rows, values).to(dtype)
+
+
+@pytest.mark.parametrize("name", ["int8", "fp8"])
+@pytest.mark.parametrize("shape", [(3, 2 * GROUP), (37, 8192), (1, CHUNK_VALUES * 2 + GROUP)])
+def test_chunked_kernels_write_the_first_implementations_bytes(
+        name: str, shape: tuple[int, int]) -> None:
+    torch.manual_seed(1)
+    rows = (torch.randn(*shape) * torch.logspace(-4, 2, shape[1])).to(torch.bfloat16)
+    rows[0, :GROUP] = 0  # an all-zero group: the scale's floor
+    c = codec(name)
+    data = c.encode(rows)
+    assert torch.equal(data, _first_encode(name, rows))
+    back = c.decode(data, shape[1], torch.bfloat16)
+    assert torch.equal(back, _first_decode(name, data, shape[1], torch.bfloat16))
+    # the wire's layout (a scale after each group) over flat memory, same numbers
+    raw = rows.reshape(-1).view(torch.uint8)
+    shadow = torch.empty(raw.numel() // (2 * GROUP) * c.encoded_bytes(GROUP), dtype=torch.uint8)
+    wc.encode_into(c, torch.bfloat16, raw, shadow)
+    per_group = _first_encode(name, rows.reshape(-1, GROUP))
+    assert torch.equal(shadow, per_group.reshape(-1))
+    restored = torch.empty_like(rows)
+    wc.decode_into(c, torch.bfloat16, shadow, restored.view(-1).view(torch.uint8))
+    assert torch.equal(restored.reshape(-1, GROUP),
+                       _first_decode(name, per_group, GROUP, torch.bfloat16))
+
+
+def test_a_codec_overriding_encode_is_not_bypassed_on_the_wire() -> None:
+    bad = SignOnly()
+    assert group_kernels(bad) is None and group_kernels(codec("int8")) is not None
+    rows = torch.randn(4, GROUP, dtype=torch.bfloat16)
+    shadow = torch.empty(4 * bad.encoded_bytes(GROUP), dtype=torch.uint8)
+    wc.encode_into(bad, torch.bfloat16, rows.view(-1).view(torch.uint8), shadow)
+    assert torch.equal(shadow.view(4, -1), bad.encode(rows))
