@@ -59,7 +59,7 @@ def measure(name: str, rows: torch.Tensor, reps: int, compiled: bool = False) ->
     encode, decode = c.encode, c.decode
     if compiled:
         encode = torch.compile(c.encode)
-        decode = torch.compile(c.decode)  # type: ignore[assignment]
+        decode = torch.compile(c.decode)
     data = encode(rows)
     back = decode(data, values, rows.dtype)
     err = (back.float() - rows.float()).abs().reshape(rows.shape[0], -1, GROUP)
