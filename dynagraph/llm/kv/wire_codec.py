@@ -39,14 +39,14 @@ import logging
 import os
 import struct
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from dynagraph.llm.kv.codec import CHUNK_VALUES, GROUP, KvCodec, codec, group_kernels
+from dynagraph.llm.kv.codec import CHUNK_VALUES, GROUP, KvCodec, codec, group_decoder
 from dynagraph.llm.kv.shm_direct import (
     LOCAL_AGENT,
     Telemetry,
@@ -69,8 +69,8 @@ RAW_GROUP = GROUP * 2
 MAGIC = b"DGWC1"
 _TRAILER = struct.Struct("<I")
 CHUNK_GROUPS = 1 << 16
-"""Groups another codec (``module:Class``) encodes or decodes at a time (8 MiB of raw KV):
-bounds the temporaries. The built-in ones work on ``CHUNK_VALUES`` at a time."""
+"""Groups encoded (or decoded, by a ``module:Class`` codec) at a time (8 MiB of raw KV):
+bounds the temporaries. The built-in codecs decode ``CHUNK_VALUES`` at a time."""
 
 
 def wire_codec(environ: Mapping[str, str] = os.environ) -> str | None:
@@ -170,31 +170,25 @@ def block_ranges(bases: Iterable[int], block_lens: Iterable[int], strides: Itera
 # ---- the codec over memory ranges --------------------------------------------------------
 
 
-def _chunks(groups: int, grouped: bool) -> Iterator[tuple[int, int]]:
-    step = CHUNK_VALUES // GROUP if grouped else CHUNK_GROUPS
-    for g in range(0, groups, step):
-        yield g, min(step, groups - g)
-
-
 def encode_into(kv: KvCodec, dtype: torch.dtype, raw: torch.Tensor, out: torch.Tensor) -> None:
     """Encode ``raw`` (bytes of 16-bit values) into ``out`` (its encoded bytes)."""
     enc = kv.encoded_bytes(GROUP)
-    grouped = group_kernels(kv)
-    for g, n in _chunks(raw.numel() // RAW_GROUP, grouped is not None):
+    groups = raw.numel() // RAW_GROUP
+    for g in range(0, groups, CHUNK_GROUPS):
+        n = min(CHUNK_GROUPS, groups - g)
         rows = raw[g * RAW_GROUP:(g + n) * RAW_GROUP].view(dtype).view(n, GROUP)
-        dst = out[g * enc:(g + n) * enc]
-        if grouped is not None:  # straight into the shadow: [GROUP bytes | scale]
-            d = dst.view(n, enc)
-            grouped.encode_groups(rows, d[:, :GROUP], d[:, GROUP:].view(torch.float16))
-        else:
-            dst.copy_(kv.encode(rows).view(-1))
+        out[g * enc:(g + n) * enc].copy_(kv.encode(rows).view(-1))
 
 
 def decode_into(kv: KvCodec, dtype: torch.dtype, data: torch.Tensor, raw: torch.Tensor) -> None:
-    """Decode ``data`` (encoded groups) into ``raw``."""
+    """Decode ``data`` (encoded groups) into ``raw``: a built-in codec straight into it,
+    ``CHUNK_VALUES`` at a time (``Grouped.decode_groups``)."""
     enc = kv.encoded_bytes(GROUP)
-    grouped = group_kernels(kv)
-    for g, n in _chunks(data.numel() // enc, grouped is not None):
+    groups = data.numel() // enc
+    grouped = group_decoder(kv)
+    step = CHUNK_VALUES // GROUP if grouped is not None else CHUNK_GROUPS
+    for g in range(0, groups, step):
+        n = min(step, groups - g)
         d = data[g * enc:(g + n) * enc].view(n, enc)
         dst = raw[g * RAW_GROUP:(g + n) * RAW_GROUP].view(dtype).view(n, GROUP)
         if grouped is not None:

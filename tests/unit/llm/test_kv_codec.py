@@ -7,7 +7,7 @@ import torch
 
 from dynagraph.errors import ConfigError
 from dynagraph.llm.kv import wire_codec as wc
-from dynagraph.llm.kv.codec import CHUNK_VALUES, GROUP, codec, group_kernels
+from dynagraph.llm.kv.codec import CHUNK_VALUES, GROUP, codec, group_decoder
 from dynagraph.llm.kv.quality_guard import Sample, check, judge
 from tests.support.bad_codec import SignOnly
 
@@ -58,8 +58,8 @@ def test_judge_compares_tokens_and_their_logprobs_up_to_where_runs_part() -> Non
 
 
 def _first_encode(name: str, rows: torch.Tensor) -> torch.Tensor:
-    """The codecs' first implementation (whole-input passes), the reference for the
-    chunked kernels' bytes."""
+    """The codecs' first implementation (whole-input passes): the reference bytes, and
+    with ``_first_decode`` the values the chunked decode must give."""
     c = codec(name)
     n_rows, values = rows.shape
     x = rows.reshape(n_rows, values // GROUP, GROUP).float()
@@ -82,7 +82,7 @@ def _first_decode(name: str, data: torch.Tensor, values: int, dtype: torch.dtype
 
 @pytest.mark.parametrize("name", ["int8", "fp8"])
 @pytest.mark.parametrize("shape", [(3, 2 * GROUP), (37, 8192), (1, CHUNK_VALUES * 2 + GROUP)])
-def test_chunked_kernels_write_the_first_implementations_bytes(
+def test_chunked_decode_restores_the_first_implementations_values(
         name: str, shape: tuple[int, int]) -> None:
     torch.manual_seed(1)
     rows = (torch.randn(*shape) * torch.logspace(-4, 2, shape[1])).to(torch.bfloat16)
@@ -104,10 +104,20 @@ def test_chunked_kernels_write_the_first_implementations_bytes(
                        _first_decode(name, per_group, GROUP, torch.bfloat16))
 
 
-def test_a_codec_overriding_encode_is_not_bypassed_on_the_wire() -> None:
-    bad = SignOnly()
-    assert group_kernels(bad) is None and group_kernels(codec("int8")) is not None
+class ShiftedDecode(SignOnly):
+    """A codec overriding ``decode``: the wire must use it, not the built-in kernel."""
+
+    def decode(self, data: torch.Tensor, values: int, dtype: torch.dtype) -> torch.Tensor:
+        return super().decode(data, values, dtype) + 1
+
+
+def test_a_codec_overriding_decode_is_not_bypassed_on_the_wire() -> None:
+    odd = ShiftedDecode()
+    assert group_decoder(odd) is None and group_decoder(SignOnly()) is not None
     rows = torch.randn(4, GROUP, dtype=torch.bfloat16)
-    shadow = torch.empty(4 * bad.encoded_bytes(GROUP), dtype=torch.uint8)
-    wc.encode_into(bad, torch.bfloat16, rows.view(-1).view(torch.uint8), shadow)
-    assert torch.equal(shadow.view(4, -1), bad.encode(rows))
+    shadow = torch.empty(4 * odd.encoded_bytes(GROUP), dtype=torch.uint8)
+    wc.encode_into(odd, torch.bfloat16, rows.view(-1).view(torch.uint8), shadow)
+    back = torch.empty_like(rows)
+    wc.decode_into(odd, torch.bfloat16, shadow, back.view(-1).view(torch.uint8))
+    assert torch.equal(back, odd.decode(shadow.view(4, -1), GROUP, torch.bfloat16))
+
