@@ -21,7 +21,9 @@ p50/p99, TPOT p50, ITL p50. Reported per concurrency and for each of ours: the m
 over rounds, each round's ratio to vLLM, and their spread.
 
 Targets (issue 16): output tok/s >= 1.0x vLLM's at 16 and 64 streams, TTFT p99 <= 1.2x,
-TTFT p50 overhead <= 2 ms. Writes benchmarks/results/vllm_bench_serve.json and .md
+TTFT p50 overhead <= 2 ms. The JSON keeps each run's duration and its CPU seconds by
+process (``cpu_s_by_process``: the whole run, the client's start-up included, so a
+server's idle CPU counts too). Writes benchmarks/results/vllm_bench_serve.json and .md
 (``--name``).
 """
 
@@ -262,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     servers: dict[str, tuple[ManagedProcess, str]] = {}
     runs: dict[int, dict[str, list[dict[str, float]]]] = {
         c: {x: [] for x in systems} for c in levels}
+    by_process: dict[int, dict[str, list[dict[str, float]]]] = {
+        c: {x: [] for x in systems} for c in levels}
     try:
         for system in systems:
             t0 = time.monotonic()
@@ -283,7 +287,10 @@ def main(argv: list[str] | None = None) -> int:
                     used = cpu_delta(before, process_tree_cpu(servers[system][0].proc.pid))
                     row = {k: round(float(got[v]), 3) for k, v in METRICS.items()}
                     row.update(cpu_per_token(used, int(got["total_output_tokens"])))
+                    row["duration_s"] = round(float(got["duration"]), 3)
                     runs[c][system].append(row)
+                    by_process[c][system].append(  # seconds, labels without their pids
+                        {k.rsplit(":", 1)[0]: v for k, v in used.items() if v >= 0.001})
                     log.info("round %d c%d %s: %s", r + 1, c, system, row)
     finally:
         for proc, _ in servers.values():
@@ -296,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         "targets": TARGETS,
         "levels": {str(c): summarize_level(runs[c]) for c in levels},
         "runs": {str(c): runs[c] for c in levels},
+        "cpu_s_by_process": {str(c): by_process[c] for c in levels},
     }
     md = markdown(result)
     print(md)
