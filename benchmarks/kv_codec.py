@@ -52,6 +52,20 @@ def timed(fn: Any, device: str, reps: int) -> float:
     return (time.perf_counter() - began) / reps
 
 
+def result(label: str, rows: torch.Tensor, back: torch.Tensor, encoded_bytes: int,
+           enc: float, dec: float) -> dict[str, Any]:
+    """One table row: rates of raw bytes, and the largest error of a restored value
+    relative to its group's largest value."""
+    groups = rows.float().reshape(-1, GROUP)
+    err = (back.float().reshape(-1, GROUP) - groups).abs()
+    scale = groups.abs().amax(dim=1, keepdim=True).clamp(min=1e-12)
+    raw = rows.numel() * rows.element_size()
+    return {"codec": label, "raw_bytes": raw, "encoded_bytes": encoded_bytes,
+            "ratio": raw / encoded_bytes, "encode_ms": enc * 1e3, "decode_ms": dec * 1e3,
+            "encode_gbps": raw / enc / 1e9, "decode_gbps": raw / dec / 1e9,
+            "max_rel_error": float((err / scale).max())}
+
+
 def measure(name: str, rows: torch.Tensor, reps: int, compiled: bool = False) -> dict[str, Any]:
     c = codec(name)
     device = str(rows.device)
@@ -62,15 +76,9 @@ def measure(name: str, rows: torch.Tensor, reps: int, compiled: bool = False) ->
         decode = torch.compile(c.decode)
     data = encode(rows)
     back = decode(data, values, rows.dtype)
-    err = (back.float() - rows.float()).abs().reshape(rows.shape[0], -1, GROUP)
-    scale = rows.float().abs().reshape(rows.shape[0], -1, GROUP).amax(dim=2, keepdim=True)
     enc = timed(lambda: encode(rows), device, reps)
     dec = timed(lambda: decode(data, values, rows.dtype), device, reps)
-    raw = rows.numel() * rows.element_size()
-    return {"codec": name + (" (compiled)" if compiled else ""), "raw_bytes": raw, "encoded_bytes": data.numel(),
-            "ratio": raw / data.numel(), "encode_ms": enc * 1e3, "decode_ms": dec * 1e3,
-            "encode_gbps": raw / enc / 1e9, "decode_gbps": raw / dec / 1e9,
-            "max_rel_error": float((err / scale.clamp(min=1e-12)).max())}
+    return result(name + (" (compiled)" if compiled else ""), rows, back, data.numel(), enc, dec)
 
 
 def measure_wire(name: str, rows: torch.Tensor, reps: int) -> dict[str, Any]:
@@ -82,14 +90,7 @@ def measure_wire(name: str, rows: torch.Tensor, reps: int) -> dict[str, Any]:
     back = torch.empty_like(raw)
     enc = timed(lambda: wire_codec.encode_into(c, rows.dtype, raw, shadow), device, reps)
     dec = timed(lambda: wire_codec.decode_into(c, rows.dtype, shadow, back), device, reps)
-    restored = back.view(rows.dtype).float().reshape(-1, GROUP)
-    groups = rows.float().reshape(-1, GROUP)
-    err = (restored - groups).abs() / groups.abs().amax(dim=1, keepdim=True).clamp(min=1e-12)
-    n = raw.numel()
-    return {"codec": f"{name} (wire)", "raw_bytes": n, "encoded_bytes": shadow.numel(),
-            "ratio": n / shadow.numel(), "encode_ms": enc * 1e3, "decode_ms": dec * 1e3,
-            "encode_gbps": n / enc / 1e9, "decode_gbps": n / dec / 1e9,
-            "max_rel_error": float(err.max())}
+    return result(f"{name} (wire)", rows, back.view(rows.dtype), shadow.numel(), enc, dec)
 
 
 def main() -> int:
