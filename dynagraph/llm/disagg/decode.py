@@ -102,6 +102,7 @@ class DecodeDisagg:
         engine_id = f"{runtime.component}-{runtime.instance_id:x}"
         kv_cfg, nixl = prepare_nixl("kv_consumer", engine_id=engine_id, base=base_kv_config,
                                     progress_delay_us=keys.nixl_progress_delay_us,
+                                    settle_us=keys.nixl_settle_us,
                                     shared_memory=keys.shared_kv_memory,
                                     wire_codec=wire_codec)
         return cls(keys, runtime, prefill, kv_cfg, nixl)

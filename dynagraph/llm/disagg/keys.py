@@ -8,6 +8,7 @@ from pydantic import Field, model_validator
 
 from dynagraph.config import ConfigModel
 from dynagraph.llm.disagg.policy import DisaggConfig
+from dynagraph.llm.kv.nixl_settle import DEFAULT_SETTLE_US
 from dynagraph.llm.kv.nixl_side import DEFAULT_DELAY_US
 
 PROGRESS_DELAY_DOC = (
@@ -68,6 +69,11 @@ class DecodeDisaggKeys(DisaggWorkerKeys, DisaggConfig):
     ``max-local-prefill-length`` and ``max-prefill-queue-size`` can be changed live in
     etcd (``/{namespace}/settings/VllmWorker/<key>``).
     """
+
+    nixl_settle_us: int = Field(default=DEFAULT_SETTLE_US, ge=0, le=1_000_000)
+    """How long an engine step may poll the KV reads it has just posted, in microseconds,
+    so that the same step reports them done instead of the next (an idle engine sleeps
+    1 ms between steps). 0: vLLM's own polling only. See ``dynagraph.llm.kv.nixl_settle``."""
 
     @model_validator(mode="after")
     def _redelivery_can_be_used(self) -> DecodeDisaggKeys:

@@ -26,6 +26,10 @@ With ``DYNAGRAPH_KV_WIRE_CODEC`` (``kv-transfer-compression``) the KV crosses th
 wire encoded (``dynagraph.llm.kv.wire_codec``): the prefill side encodes a remote-decode
 request's blocks after the forward pass that computed them (vLLM's scheduler lists them
 as for a host buffer), the decode side reads the encoded bytes and decodes them.
+
+Each step polls the KV reads it has just posted for up to ``DYNAGRAPH_NIXL_SETTLE_US``
+(``nixl-settle-us``, default 2000) so that the same step reports them done
+(``dynagraph.llm.kv.nixl_settle``).
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
     NixlConnector as _VllmNixlConnector,
 )
 
-from dynagraph.llm.kv import shm_direct, wire_codec
+from dynagraph.llm.kv import nixl_settle, shm_direct, wire_codec
 from dynagraph.llm.kv.nixl_side import delayed_agent_config, progress_delay_from_env
 
 log = logging.getLogger(__name__)
@@ -126,6 +130,7 @@ class NixlConnector(_VllmNixlConnector):
         worker = getattr(self, "connector_worker", None)
         if worker is not None and shm_direct.enabled():
             worker.nixl_wrapper = shm_direct.ShmNixl(worker.nixl_wrapper)
+        self._settle_s = nixl_settle.settle_budget_from_env()
         self._codec: wire_codec.CodecNixl | None = None
         self._tails: dict[str, int] = {}
         name = wire_codec.wire_codec()
@@ -151,6 +156,18 @@ class NixlConnector(_VllmNixlConnector):
         if self._codec in _CODEC_AGENTS:
             _CODEC_AGENTS.remove(self._codec)
         super().shutdown()  # type: ignore[no-untyped-call]  # vLLM's method is unannotated
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        worker = getattr(self, "connector_worker", None)
+        recving = getattr(worker, "_recving_transfers", None)
+        if self._settle_s <= 0 or worker is None or not isinstance(recving, dict):
+            super().start_load_kv(forward_context, **kwargs)
+            return
+        before = nixl_settle.in_flight(recving)
+        super().start_load_kv(forward_context, **kwargs)
+        posted = [h for handles in recving.values() for h in handles if h not in before]
+        if posted:
+            nixl_settle.settle(worker.nixl_wrapper.check_xfer_state, posted, self._settle_s)
 
     def register_kv_caches(self, kv_caches: Any) -> None:
         if self._codec is not None and kv_caches:

@@ -24,6 +24,8 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 from dynagraph.errors import ConfigError
+from dynagraph.llm.kv.nixl_settle import DEFAULT_SETTLE_US
+from dynagraph.llm.kv.nixl_settle import ENV as SETTLE_ENV
 from dynagraph.llm.kv.shm_direct import ENV as SHM_ENV
 from dynagraph.llm.kv.wire_codec import ENV as WIRE_CODEC_ENV
 from dynagraph.runtime.addresses import host_from_env
@@ -100,6 +102,7 @@ def prepare_nixl(
     engine_id: str,
     base: dict[str, Any] | None = None,
     progress_delay_us: int = DEFAULT_DELAY_US,
+    settle_us: int = DEFAULT_SETTLE_US,
     port: int | None = None,
     host: str | None = None,
     shared_memory: bool = False,
@@ -108,8 +111,10 @@ def prepare_nixl(
     """The ``kv_transfer_config`` for a NixlConnector engine, and its endpoint.
 
     Sets ``VLLM_NIXL_SIDE_CHANNEL_HOST`` / ``_PORT``, ``DYNAGRAPH_NIXL_PROGRESS_DELAY_US``
-    (``progress_delay_us``, for ``nixl_quiet``), ``DYNAGRAPH_KV_SHM`` (``shared_memory``:
-    the engine's KV cache in shared memory, ``shm_direct``), ``DYNAGRAPH_KV_WIRE_CODEC``
+    (``progress_delay_us``, for ``nixl_quiet``), ``DYNAGRAPH_NIXL_SETTLE_US`` (``settle_us``:
+    how long a step polls the reads it posted, ``nixl_settle``), ``DYNAGRAPH_KV_SHM``
+    (``shared_memory``: the engine's KV cache in shared memory, ``shm_direct``),
+    ``DYNAGRAPH_KV_WIRE_CODEC``
     (``wire_codec``: the KV encoded on the NIXL wire, ``wire_codec``) and, unless set, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``
     (see ``IN_PROCESS_ENV``) in ``os.environ`` (side effect).
     ``base`` (the user's ``kv-transfer-config``) wins over the defaults here, except that
@@ -136,6 +141,7 @@ def prepare_nixl(
     os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = host
     os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port)
     os.environ[DELAY_ENV] = str(progress_delay_us)
+    os.environ[SETTLE_ENV] = str(settle_us)
     os.environ[SHM_ENV] = "1" if shared_memory else "0"
     os.environ[WIRE_CODEC_ENV] = wire_codec
     os.environ.setdefault(IN_PROCESS_ENV, "0")

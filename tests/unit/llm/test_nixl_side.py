@@ -7,6 +7,8 @@ import os
 import pytest
 
 from dynagraph.errors import ConfigError
+from dynagraph.llm.kv.nixl_settle import DEFAULT_SETTLE_US, settle_budget_from_env
+from dynagraph.llm.kv.nixl_settle import ENV as SETTLE_ENV
 from dynagraph.llm.kv.nixl_side import (
     DEFAULT_DELAY_US,
     DELAY_ENV,
@@ -38,8 +40,12 @@ def test_prepare_nixl_passes_the_progress_delay_and_rejects_other_connectors(
     monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", "1")
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     monkeypatch.delenv(DELAY_ENV, raising=False)
+    monkeypatch.delenv(SETTLE_ENV, raising=False)
     prepare_nixl("kv_producer", engine_id="p", port=5555)
     assert progress_delay_from_env() == DEFAULT_DELAY_US
+    assert settle_budget_from_env() == DEFAULT_SETTLE_US / 1e6
+    prepare_nixl("kv_consumer", engine_id="d", port=5556, settle_us=0)
+    assert settle_budget_from_env() == 0.0
     assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"  # a choice already made stays
     prepare_nixl("kv_producer", engine_id="p", port=5555, progress_delay_us=0)
     assert progress_delay_from_env() == 0
