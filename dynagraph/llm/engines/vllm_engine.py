@@ -136,7 +136,13 @@ class VllmEngineArgs(BaseModel):
     """Passed to vLLM's ``KVTransferConfig`` (e.g. the NixlConnector settings)."""
     cpu_threads_bind: str | None = None
     """``VLLM_CPU_OMP_THREADS_BIND`` (e.g. ``"0"``, ``"0-1"``); ``None`` keeps vLLM's;
-    ``spread``: worker ``i`` of the component on core ``i mod cpus`` (``spread_bind``)."""
+    ``spread``: worker ``i`` of the component on core ``i mod cpus`` (``spread_bind``).
+    vLLM applies it only where it starts a model-runner process: an engine whose model runs
+    in its engine-core process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the NIXL workers)
+    runs OpenMP's default, a thread per core. Binding those too (``OMP_NUM_THREADS`` and
+    ``GOMP_CPU_AFFINITY`` for the engine-core process, tried 2026-12-05) made the disagg
+    graph's prefills ~1.9x slower one request at a time (4k: 548 against ~290 ms), so it
+    is not done."""
     cpu_reserved_cores: int | None = Field(default=None, ge=0)
     """``VLLM_CPU_NUM_OF_RESERVED_CPU``; set 0 on 2-core machines with a KV connector."""
     engine_nice: int = Field(default=19, ge=0, le=19)
