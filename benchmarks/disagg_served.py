@@ -24,6 +24,9 @@ memcpy of the same bytes (numpy, this process) is measured in the same run, and 
 raw NIXL READ of them between two idle processes (``benchmarks/nixl_raw.py``; ``--raw-from
 file`` reads its stored result instead).
 
+A transport may carry VllmWorker settings after ``@`` (``nixl@nixl-settle-us=0``), for an
+A/B of a setting in one run (same hour, same machine state).
+
     python benchmarks/disagg_served.py --requests 8 [--transports nixl,shm,tier]
 """
 
@@ -105,15 +108,17 @@ def run(requests: int, transport: str = "nixl") -> list[dict[str, Any]]:
                "NATS_SERVER": infra["nats"].url, "PYTHONUNBUFFERED": "1"}
         cmd = [sys.executable, "-m", "dynagraph.cli.main", "serve", "graphs.disagg:Frontend",
                "-f", "configs/disagg.yaml", f"--Frontend.port={port}", f"--Common.model={model_dir}"]
+        spec, *settings = transport.split("@")  # nixl@key=value: a VllmWorker setting
+        cmd += [f"--VllmWorker.{kv}" for kv in settings]
         tier = None
-        if transport.startswith("tier"):  # tier or tier:CODEC (the blocks move compressed)
+        if spec.startswith("tier"):  # tier or tier:CODEC (the blocks move compressed)
             tier = tempfile.mkdtemp(prefix="disagg-served-kv-", dir="/dev/shm")
-            codec = transport.partition(":")[2] or "none"
+            codec = spec.partition(":")[2] or "none"
             cmd += [f"--{c}.{k}" for c in ("VllmWorker", "PrefillWorker") for k in (
                 "kv-offload-gib=0.2", f"kv-offload-dir={tier}", "kv-transport=tier",
                 f"kv-compression={codec}")]
         else:  # nixl, nixl:CODEC or shm (the shipped config says auto)
-            kind, _, codec = transport.partition(":")
+            kind, _, codec = spec.partition(":")
             cmd += [f"--{c}.{k}" for c in ("VllmWorker", "PrefillWorker") for k in (
                 f"kv-transport={kind}", f"kv-transfer-compression={codec or 'none'}")]
         server = bench.ManagedProcess(cmd, env, name=f"disagg-{transport}")
