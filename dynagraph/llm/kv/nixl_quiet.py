@@ -44,7 +44,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
 )
 
 from dynagraph.llm.kv import nixl_settle, shm_direct, wire_codec
-from dynagraph.llm.kv.nixl_side import delayed_agent_config, progress_delay_from_env
+from dynagraph.llm.kv.nixl_side import (
+    delayed_agent_config,
+    progress_delay_from_env,
+    settle_budget_from_env,
+)
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +134,7 @@ class NixlConnector(_VllmNixlConnector):
         worker = getattr(self, "connector_worker", None)
         if worker is not None and shm_direct.enabled():
             worker.nixl_wrapper = shm_direct.ShmNixl(worker.nixl_wrapper)
-        self._settle_s = nixl_settle.settle_budget_from_env()
+        self._settle_s = settle_budget_from_env()
         self._codec: wire_codec.CodecNixl | None = None
         self._tails: dict[str, int] = {}
         name = wire_codec.wire_codec()

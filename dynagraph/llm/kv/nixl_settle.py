@@ -15,7 +15,6 @@ per step.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -25,16 +24,8 @@ ENV = "DYNAGRAPH_NIXL_SETTLE_US"
 DEFAULT_SETTLE_US = 2_000
 
 
-def settle_budget_from_env(environ: Any = os.environ) -> float:
-    """``DYNAGRAPH_NIXL_SETTLE_US`` in seconds (the default on a bad value, 0 if negative)."""
-    raw = str(environ.get(ENV, DEFAULT_SETTLE_US)).strip()
-    try:
-        return max(int(raw), 0) / 1e6
-    except ValueError:
-        return DEFAULT_SETTLE_US / 1e6
-
-
 PAUSE_S = 50e-6
+"""The sleep between polling rounds (see :func:`settle`)."""
 
 
 def settle(check: Callable[[Any], str], handles: Iterable[Any], budget_s: float,

@@ -62,13 +62,24 @@ class NixlEndpoint:
         return asdict(self)
 
 
-def progress_delay_from_env(environ: Any = os.environ) -> int:
-    """``DYNAGRAPH_NIXL_PROGRESS_DELAY_US`` in microseconds (default on a bad value)."""
-    raw = str(environ.get(DELAY_ENV, DEFAULT_DELAY_US)).strip()
+def _micros_from_env(environ: Any, name: str, default: int) -> int:
+    """A non-negative count of microseconds from ``environ[name]`` (``default`` when unset
+    or not an integer; 0 when negative)."""
+    raw = str(environ.get(name, default)).strip()
     try:
         return max(int(raw), 0)
     except ValueError:
-        return DEFAULT_DELAY_US
+        return default
+
+
+def progress_delay_from_env(environ: Any = os.environ) -> int:
+    """``DYNAGRAPH_NIXL_PROGRESS_DELAY_US`` in microseconds (default on a bad value)."""
+    return _micros_from_env(environ, DELAY_ENV, DEFAULT_DELAY_US)
+
+
+def settle_budget_from_env(environ: Any = os.environ) -> float:
+    """``DYNAGRAPH_NIXL_SETTLE_US`` in seconds (default on a bad value), for ``nixl_quiet``."""
+    return _micros_from_env(environ, SETTLE_ENV, DEFAULT_SETTLE_US) / 1e6
 
 
 def delayed_agent_config(base: type, delay_us: int) -> type:

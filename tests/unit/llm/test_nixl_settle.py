@@ -4,13 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from dynagraph.llm.kv.nixl_settle import (
-    DEFAULT_SETTLE_US,
-    ENV,
-    in_flight,
-    settle,
-    settle_budget_from_env,
-)
+from dynagraph.llm.kv.nixl_settle import DEFAULT_SETTLE_US, ENV, in_flight, settle
+from dynagraph.llm.kv.nixl_side import settle_budget_from_env
 
 
 class FakeReads:

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from dynagraph.errors import ConfigError
-from dynagraph.llm.kv.nixl_settle import DEFAULT_SETTLE_US, settle_budget_from_env
+from dynagraph.llm.kv.nixl_settle import DEFAULT_SETTLE_US
 from dynagraph.llm.kv.nixl_settle import ENV as SETTLE_ENV
 from dynagraph.llm.kv.nixl_side import (
     DEFAULT_DELAY_US,
@@ -17,6 +17,7 @@ from dynagraph.llm.kv.nixl_side import (
     nixl_key,
     prepare_nixl,
     progress_delay_from_env,
+    settle_budget_from_env,
 )
 
 
