@@ -169,7 +169,7 @@ class NixlConnector(_VllmNixlConnector):
             return
         before = nixl_settle.in_flight(recving)
         super().start_load_kv(forward_context, **kwargs)
-        posted = [h for handles in recving.values() for h in handles if h not in before]
+        posted = nixl_settle.posted_since(recving, before)
         if posted:
             nixl_settle.settle(worker.nixl_wrapper.check_xfer_state, posted, self._settle_s)
 

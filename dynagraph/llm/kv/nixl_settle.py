@@ -22,8 +22,6 @@ from typing import Any
 ENV = "DYNAGRAPH_NIXL_SETTLE_US"
 """How long a step may poll the KV reads it posted, in microseconds (0: not at all)."""
 DEFAULT_SETTLE_US = 2_000
-
-
 PAUSE_S = 50e-6
 """The sleep between polling rounds (see :func:`settle`)."""
 
@@ -61,4 +59,13 @@ def _state(check: Callable[[Any], str], handle: Any) -> str:
 
 def in_flight(transfers: dict[str, list[Any]]) -> set[Any]:
     """Every handle of vLLM's ``_recving_transfers`` (request id -> handles)."""
-    return {h for handles in transfers.values() for h in handles}
+    return set(_handles(transfers))
+
+
+def posted_since(transfers: dict[str, list[Any]], before: set[Any]) -> list[Any]:
+    """The handles of ``transfers`` not in ``before`` (``in_flight`` earlier), in order."""
+    return [h for h in _handles(transfers) if h not in before]
+
+
+def _handles(transfers: dict[str, list[Any]]) -> Iterable[Any]:
+    return (h for handles in transfers.values() for h in handles)
