@@ -24,8 +24,9 @@ memcpy of the same bytes (numpy, this process) is measured in the same run, and 
 raw NIXL READ of them between two idle processes (``benchmarks/nixl_raw.py``; ``--raw-from
 file`` reads its stored result instead).
 
-A transport may carry VllmWorker settings after ``@`` (``nixl@nixl-settle-us=0``), for an
-A/B of a setting in one run (same hour, same machine state).
+A transport may carry settings after ``@``, for an A/B of a setting in one run (same hour,
+same machine state): a VllmWorker key (``nixl@nixl-settle-us=0``), or a key of another
+component named with it (``nixl@PrefillWorker.engine-nice=0``); several are joined by ``@``.
 
     python benchmarks/disagg_served.py --requests 8 [--transports nixl,shm,tier]
 """
@@ -99,6 +100,16 @@ def memcpy_gib_per_s(nbytes: int, repeats: int = 20, cold: bool = False) -> floa
     return nbytes / statistics.median(times) / 2**30
 
 
+COMPONENTS = ("Frontend", "Processor", "VllmWorker", "PrefillWorker")
+
+
+def setting_override(setting: str) -> str:
+    """``key=value`` as the VllmWorker's override; ``Component.key=value`` as that
+    component's (pure)."""
+    head = setting.split(".", 1)[0]
+    return setting if head in COMPONENTS else f"VllmWorker.{setting}"
+
+
 def run(requests: int, transport: str = "nixl") -> list[dict[str, Any]]:
     model_dir = ensure_model(bench.REPO / "models" / "tiny-llama")
     port = free_port()
@@ -109,7 +120,7 @@ def run(requests: int, transport: str = "nixl") -> list[dict[str, Any]]:
         cmd = [sys.executable, "-m", "dynagraph.cli.main", "serve", "graphs.disagg:Frontend",
                "-f", "configs/disagg.yaml", f"--Frontend.port={port}", f"--Common.model={model_dir}"]
         spec, *settings = transport.split("@")  # nixl@key=value: a VllmWorker setting
-        cmd += [f"--VllmWorker.{kv}" for kv in settings]
+        cmd += [f"--{setting_override(kv)}" for kv in settings]
         tier = None
         if spec.startswith("tier"):  # tier or tier:CODEC (the blocks move compressed)
             tier = tempfile.mkdtemp(prefix="disagg-served-kv-", dir="/dev/shm")

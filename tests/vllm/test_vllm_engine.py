@@ -276,3 +276,20 @@ def _running(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def _anon_huge_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        return sum(int(line.split()[1]) for line in f if line.startswith("AnonHugePages:"))
+
+
+def test_engine_kv_cache_sits_in_huge_pages(vllm_engine: VllmEngine) -> None:
+    """``huge-pages`` (default on): where the kernel allows transparent huge pages, the
+    engine's 1 GiB KV cache is in them (a KV read between engines copies from them about
+    twice as fast as from 4 KiB pages). Without it this engine held none."""
+    pids = vllm_engine.engine_pids
+    assert pids
+    with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+        thp_off = "[never]" in f.read()
+    huge = sum(_anon_huge_kib(pid) for pid in pids)
+    assert thp_off or huge >= 512 * 1024, f"{huge} KiB in huge pages"

@@ -16,6 +16,7 @@ from dynagraph.errors import ConfigError, EngineError
 from dynagraph.llm.engines import SamplingSpec
 from dynagraph.llm.engines.vllm_engine import (
     DYNAMO_DISABLE_ENV,
+    HUGE_PAGES_ENV,
     VllmEngine,
     VllmEngineArgs,
     _apply_env,
@@ -58,7 +59,7 @@ def test_eager_turns_torch_compile_off_for_vllms_helpers_unless_told_otherwise(
         monkeypatch.setattr(dynamo.config, "disable", False)
     for env in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND",
                 "VLLM_CPU_NUM_OF_RESERVED_CPU", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE",
-                "VLLM_NO_USAGE_STATS", "VLLM_DO_NOT_TRACK"):
+                "VLLM_NO_USAGE_STATS", "VLLM_DO_NOT_TRACK", HUGE_PAGES_ENV):
         monkeypatch.setenv(env, os.environ.get(env, ""))  # whatever _apply_env sets is undone
     monkeypatch.delenv(DYNAMO_DISABLE_ENV, raising=False)
     _apply_env(VllmEngineArgs(model="m", enforce_eager=False))
@@ -70,6 +71,17 @@ def test_eager_turns_torch_compile_off_for_vllms_helpers_unless_told_otherwise(
     monkeypatch.setenv(DYNAMO_DISABLE_ENV, "0")  # the operator's choice stands
     _apply_env(VllmEngineArgs(model="m"))
     assert os.environ[DYNAMO_DISABLE_ENV] == "0"
+
+
+def test_engine_tensors_in_huge_pages_unless_turned_off(monkeypatch: pytest.MonkeyPatch
+                                                        ) -> None:
+    """PyTorch's allocator advises huge pages in the engine processes (a KV read copies
+    from them about twice as fast); ``huge-pages: false`` says no, whatever was set."""
+    monkeypatch.setenv(HUGE_PAGES_ENV, "")
+    _apply_env(VllmEngineArgs(model="m"))
+    assert os.environ[HUGE_PAGES_ENV] == "1"
+    _apply_env(VllmEngineArgs.model_validate({"model": "m", "huge-pages": False}))
+    assert os.environ[HUGE_PAGES_ENV] == "0"
 
 
 def test_args_reject_unknown_keys() -> None:
