@@ -100,7 +100,7 @@ def memcpy_gib_per_s(nbytes: int, repeats: int = 20, cold: bool = False) -> floa
     return nbytes / statistics.median(times) / 2**30
 
 
-COMPONENTS = ("Frontend", "Processor", "VllmWorker", "PrefillWorker")
+COMPONENTS = ("Common", "Frontend", "Processor", "VllmWorker", "PrefillWorker")
 
 
 def setting_override(setting: str) -> str:

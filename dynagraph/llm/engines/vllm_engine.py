@@ -160,8 +160,8 @@ class VllmEngineArgs(BaseModel):
     0.18-0.20 ms against 0.35-0.38 ms, the page walks of the 4 KiB source being the
     difference (``perf``: 29% of the copying engine's samples in ``get_user_pages``);
     numpy's large arrays, which the raw NIXL benchmark reads, get huge pages by default.
-    Served (``benchmarks/disagg_served.py``, 2026-12-05): 1k-token transfers 0.41 -> 0.32
-    ms median. False: 4 KiB pages (``THP_MEM_ALLOC_ENABLE=0``)."""
+    Served (``benchmarks/disagg_served.py``, two A/B runs, 2026-12-05): 4k-token transfers
+    1.50 -> 0.97 and 1.39 -> 1.06 ms median. False: 4 KiB pages (``THP_MEM_ALLOC_ENABLE=0``)."""
     warmup: bool = True
     """Serve one short request before the worker registers (``VllmEngine._warm_up``)."""
     log_stats: bool = False
