@@ -292,4 +292,4 @@ def test_engine_kv_cache_sits_in_huge_pages(vllm_engine: VllmEngine) -> None:
     with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
         thp_off = "[never]" in f.read()
     huge = sum(_anon_huge_kib(pid) for pid in pids)
-    assert thp_off or huge >= 512 * 1024, f"{huge} KiB in huge pages"
+    assert thp_off or huge >= 256 * 1024, f"{huge} KiB in huge pages"  # 0 without the key
