@@ -119,7 +119,7 @@ def run(requests: int, transport: str = "nixl") -> list[dict[str, Any]]:
                "NATS_SERVER": infra["nats"].url, "PYTHONUNBUFFERED": "1"}
         cmd = [sys.executable, "-m", "dynagraph.cli.main", "serve", "graphs.disagg:Frontend",
                "-f", "configs/disagg.yaml", f"--Frontend.port={port}", f"--Common.model={model_dir}"]
-        spec, *settings = transport.split("@")  # nixl@key=value: a VllmWorker setting
+        spec, *settings = transport.split("@")  # nixl@key=value@Component.key=value
         cmd += [f"--{setting_override(kv)}" for kv in settings]
         tier = None
         if spec.startswith("tier"):  # tier or tier:CODEC (the blocks move compressed)

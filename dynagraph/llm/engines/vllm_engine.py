@@ -487,8 +487,8 @@ class VllmEngine:
         # vLLM's helper processes outlive a SIGKILLed owner; a watchdog ends them.
         self._reaper = Reaper(sorted(set(vllm_descendants()) - helpers_before))
         if self.args.engine_nice:
-            threads = renice(self._reaper.pids, self.args.engine_nice)
-            log.info("engine processes %s: niceness +%d on %d threads", self._reaper.pids,
+            threads = renice(self.engine_pids, self.args.engine_nice)
+            log.info("engine processes %s: niceness +%d on %d threads", self.engine_pids,
                      self.args.engine_nice, threads)
         self._max_model_len = int(llm.model_config.max_model_len)
         self._num_blocks[0] = int(llm.vllm_config.cache_config.num_gpu_blocks or 0)

@@ -125,9 +125,9 @@ def prepare_nixl(
     (``progress_delay_us``, for ``nixl_quiet``), ``DYNAGRAPH_NIXL_SETTLE_US`` (``settle_us``:
     how long a step polls the reads it posted, ``nixl_settle``), ``DYNAGRAPH_KV_SHM``
     (``shared_memory``: the engine's KV cache in shared memory, ``shm_direct``),
-    ``DYNAGRAPH_KV_WIRE_CODEC``
-    (``wire_codec``: the KV encoded on the NIXL wire, ``wire_codec``) and, unless set, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``
-    (see ``IN_PROCESS_ENV``) in ``os.environ`` (side effect).
+    ``DYNAGRAPH_KV_WIRE_CODEC`` (``wire_codec``: the KV encoded on the NIXL wire,
+    ``wire_codec``) and, unless set, ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (see
+    ``IN_PROCESS_ENV``) in ``os.environ`` (side effect).
     ``base`` (the user's ``kv-transfer-config``) wins over the defaults here, except that
     the role and engine id are always ours. A consumer recomputes locally if a KV load
     fails, so a request survives a prefill worker dying after its hand-off. The side
