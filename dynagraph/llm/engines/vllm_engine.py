@@ -162,6 +162,12 @@ class VllmEngineArgs(BaseModel):
     numpy's large arrays, which the raw NIXL benchmark reads, get huge pages by default.
     Served (``benchmarks/disagg_served.py``, two A/B runs, 2026-12-05): 4k-token transfers
     1.50 -> 0.97 and 1.39 -> 1.06 ms median. False: 4 KiB pages (``THP_MEM_ALLOC_ENABLE=0``)."""
+    omp_spin_count: int | None = Field(default=None, ge=0)
+    """How long the engine's OpenMP threads spin after a parallel region before they sleep
+    (``GOMP_SPINCOUNT``, in spins of libgomp's wait loop, the OpenMP vLLM preloads on the
+    CPU); ``None`` keeps OpenMP's own (~9 ms of a core after every region here). A spinning
+    thread takes a core from whatever else runs on the host; the PrefillWorker's default is
+    short (``PREFILL_OMP_SPIN_COUNT``): see there."""
     warmup: bool = True
     """Serve one short request before the worker registers (``VllmEngine._warm_up``)."""
     log_stats: bool = False
@@ -284,6 +290,7 @@ def spread_bind(value: str | None, worker_index: int, cpus: int) -> str | None:
 
 DYNAMO_DISABLE_ENV = "TORCHDYNAMO_DISABLE"
 HUGE_PAGES_ENV = "THP_MEM_ALLOC_ENABLE"
+OMP_SPIN_ENV = "GOMP_SPINCOUNT"
 """PyTorch's switch: its CPU allocator advises huge pages for allocations of 2 MiB and more
 (read once per process, so it takes effect in the engine processes vLLM starts)."""
 
@@ -296,6 +303,8 @@ def _apply_env(args: VllmEngineArgs) -> None:
     os.environ.setdefault("VLLM_DO_NOT_TRACK", "1")
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(args.kv_cache_space_gib)
     os.environ[HUGE_PAGES_ENV] = "1" if args.huge_pages else "0"
+    if args.omp_spin_count is not None:
+        os.environ[OMP_SPIN_ENV] = str(args.omp_spin_count)
     if args.cpu_threads_bind is not None:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = args.cpu_threads_bind
     if args.cpu_reserved_cores is not None:

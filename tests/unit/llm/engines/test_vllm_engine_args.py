@@ -17,6 +17,7 @@ from dynagraph.llm.engines import SamplingSpec
 from dynagraph.llm.engines.vllm_engine import (
     DYNAMO_DISABLE_ENV,
     HUGE_PAGES_ENV,
+    OMP_SPIN_ENV,
     VllmEngine,
     VllmEngineArgs,
     _apply_env,
@@ -82,6 +83,31 @@ def test_engine_tensors_in_huge_pages_unless_turned_off(monkeypatch: pytest.Monk
     assert os.environ[HUGE_PAGES_ENV] == "1"
     _apply_env(VllmEngineArgs.model_validate({"model": "m", "huge-pages": False}))
     assert os.environ[HUGE_PAGES_ENV] == "0"
+
+
+def test_omp_spin_count_sets_libgomps_spin_only_when_given(monkeypatch: pytest.MonkeyPatch
+                                                           ) -> None:
+    """``omp-spin-count`` becomes ``GOMP_SPINCOUNT`` for the engine processes; unset, the
+    environment (an operator's own value) is left as it is."""
+    monkeypatch.setenv(OMP_SPIN_ENV, "777")
+    _apply_env(VllmEngineArgs(model="m"))
+    assert os.environ[OMP_SPIN_ENV] == "777"
+    _apply_env(VllmEngineArgs.model_validate({"model": "m", "omp-spin-count": 10000}))
+    assert os.environ[OMP_SPIN_ENV] == "10000"
+    with pytest.raises(ValidationError, match="omp-spin-count"):
+        VllmEngineArgs.model_validate({"model": "m", "omp-spin-count": -1})
+
+
+def test_prefill_engines_spin_briefly_decode_engines_as_openmp_does() -> None:
+    """The prefill engine idles between jobs, and its threads' spin took a core from the KV
+    hand-off; the decode engine keeps OpenMP's own unless configured."""
+    from components.prefill_worker import PREFILL_OMP_SPIN_COUNT, PrefillWorkerConfig
+    from components.worker import VllmWorkerConfig
+
+    assert PrefillWorkerConfig(model="m").omp_spin_count == PREFILL_OMP_SPIN_COUNT
+    assert VllmWorkerConfig(model="m").omp_spin_count is None
+    assert PrefillWorkerConfig.model_validate(
+        {"model": "m", "omp-spin-count": None}).omp_spin_count is None
 
 
 def test_args_reject_unknown_keys() -> None:
