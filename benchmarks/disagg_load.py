@@ -5,7 +5,9 @@
 Serves ``graphs.disagg_router`` with ``configs/disagg_router.yaml`` (two decode workers,
 one prefill worker), every prompt prefilled remotely (``max-local-prefill-length`` 64;
 the prompts are ~170 tokens: ``benchmarks/chaos.py``'s load), ``kv-transport`` set on both
-workers to each of ``--transports`` in turn (rounds alternate the order). After the graph
+workers to each of ``--transports`` in turn (rounds alternate the order); as in
+``benchmarks/disagg_served.py``, a transport may carry settings after ``@``
+(``shm@omp-spin-count=10000``: a VllmWorker key; ``shm@PrefillWorker.key=value``). After the graph
 is ready and ``--warmup`` seconds of load, ``--concurrency`` closed-loop clients stream
 ``--max-tokens`` greedy tokens for ``--window`` seconds; reported: requests completed in
 the window, errors, TTFT and inter-token p50 / p99. Writes
@@ -27,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import _common as bench  # noqa: E402
 from benchmarks.chaos import load, short  # noqa: E402
+from benchmarks.disagg_served import setting_override  # noqa: E402
 from dynagraph.runtime.infra import free_port, local_infra  # noqa: E402
 from tools.model_builder import ensure_model  # noqa: E402
 
@@ -38,9 +41,10 @@ def run(a: argparse.Namespace, transport: str) -> dict[str, Any]:
         cmd = [sys.executable, "-m", "dynagraph.cli.main", "serve",
                "graphs.disagg_router:Frontend", "-f", "configs/disagg_router.yaml",
                f"--Frontend.port={port}", f"--Common.model={model_dir}",
-               "--VllmWorker.max-local-prefill-length=64",
-               f"--VllmWorker.kv-transport={transport}",
-               f"--PrefillWorker.kv-transport={transport}"]
+               "--VllmWorker.max-local-prefill-length=64"]
+        kind, *settings = transport.split("@")  # shm@key=value@Component.key=value
+        cmd += [f"--VllmWorker.kv-transport={kind}", f"--PrefillWorker.kv-transport={kind}"]
+        cmd += [f"--{setting_override(kv)}" for kv in settings]
         graph = bench.ManagedProcess(cmd, {**bench.infra_env(infra), "PYTHONUNBUFFERED": "1"},
                                      name=f"disagg-load-{transport}")
         try:
