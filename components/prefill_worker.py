@@ -50,23 +50,10 @@ from dynagraph.sdk import Component, async_on_shutdown, async_on_start, endpoint
 log = logging.getLogger(__name__)
 
 
-PREFILL_OMP_SPIN_COUNT = 10_000
-"""The prefill engine's OpenMP threads spin ~0.2 ms after a parallel region instead of
-libgomp's ~9 ms. Its regions within a prefill follow each other far closer than that, so
-the prefill is as fast; after it, the spinning thread takes a core from the hand-off to
-the decode engine and from that engine's KV read. Measured (``benchmarks/disagg_served.py
---requests 40``, four A/B runs, 2026-12-05, 2-core VM, ``disagg_served_omp_spin*.md``):
-TTFT 65 -> 59 ms at 1k tokens and 319 -> 306 ms at 4k (medians of 160 requests each way;
-lower in every run), 1k transfers 0.45 -> 0.36 ms (lower in three runs of four), 4k
-transfers 1.08 -> 1.11 ms (no direction); prefills the same."""
-
-
 class PrefillWorkerConfig(VllmEngineArgs, DisaggWorkerKeys):
     """Engine settings (see ``VllmEngineArgs``), the keys shared with the decode workers
     (``DisaggWorkerKeys``) and the queue consumer's; kebab-case in YAML."""
 
-    omp_spin_count: int | None = Field(default=PREFILL_OMP_SPIN_COUNT, ge=0)
-    """As ``VllmEngineArgs.omp_spin_count``; short by default (``PREFILL_OMP_SPIN_COUNT``)."""
     max_concurrent_prefills: int = Field(default=2, ge=1)
     """Jobs prefilled at once (vLLM batches them)."""
     reply_timeout: float = Field(default=10.0, gt=0)

@@ -59,6 +59,22 @@ heap (1+ s here, py-spy: ``gc_collect_main``) that nothing after a shutdown need
 shared-memory queue a killed worker leaves is unlinked by multiprocessing's resource
 tracker when this process exits (and by ``dynamo serve``'s sweep)."""
 
+OMP_SPIN_COUNT = 10_000
+"""Engines' OpenMP threads spin ~0.2 ms after a parallel region instead of libgomp's
+~9 ms. Where the model runs in the engine-core process (the NIXL-connected engines of the
+disagg graphs) it has one OpenMP thread per core, and a thread spinning after its work
+takes a core from the other engine, the KV hand-off and the graph's own processes; the
+regions within a forward pass follow each other far closer than 0.2 ms, so the engine's
+own work is as fast. (An agg engine's model runner has one thread: no effect there.)
+Measured, 2-core VM, 2026-12-05: prefill engines alone (``benchmarks/disagg_served.py
+--requests 40``, four A/B runs, ``disagg_served_omp_spin*.md``), TTFT 65 -> 59 ms at 1k
+tokens and 319 -> 306 ms at 4k (medians of 160 requests each way; lower in every run),
+1k transfers 0.45 -> 0.36 ms; the decode engines' too, under load (``benchmarks/
+disagg_load.py``, ``disagg_load_omp_spin.md``, 2 rounds): TTFT p50 519 / 411 -> 122 /
+125 ms, p99 1.7 / 1.8 -> 0.8 / 0.6 s, 2.1 -> 3.1 ms between tokens, requests completed
+312 / 307 -> 268 / 304 (a slower VM that morning: TTFT 771 / 736 -> 116 / 127 ms, 131 /
+121 -> 170 / 170 completed)."""
+
 
 def _kebab(name: str) -> str:
     return name.replace("_", "-")
@@ -162,12 +178,11 @@ class VllmEngineArgs(BaseModel):
     numpy's large arrays, which the raw NIXL benchmark reads, get huge pages by default.
     Served (``benchmarks/disagg_served.py``, two A/B runs, 2026-12-05): 4k-token transfers
     1.50 -> 0.97 and 1.39 -> 1.06 ms median. False: 4 KiB pages (``THP_MEM_ALLOC_ENABLE=0``)."""
-    omp_spin_count: int | None = Field(default=None, ge=0)
+    omp_spin_count: int | None = Field(default=OMP_SPIN_COUNT, ge=0)
     """How long the engine's OpenMP threads spin after a parallel region before they sleep
     (``GOMP_SPINCOUNT``, in spins of libgomp's wait loop, the OpenMP vLLM preloads on the
-    CPU); ``None`` keeps OpenMP's own (~9 ms of a core after every region here). A spinning
-    thread takes a core from whatever else runs on the host; the PrefillWorker's default is
-    short (``PREFILL_OMP_SPIN_COUNT``): see there."""
+    CPU); ``None`` keeps OpenMP's own (~9 ms of a core after every region here) or the
+    operator's ``GOMP_SPINCOUNT``. Short by default: see ``OMP_SPIN_COUNT``."""
     warmup: bool = True
     """Serve one short request before the worker registers (``VllmEngine._warm_up``)."""
     log_stats: bool = False
@@ -290,9 +305,9 @@ def spread_bind(value: str | None, worker_index: int, cpus: int) -> str | None:
 
 DYNAMO_DISABLE_ENV = "TORCHDYNAMO_DISABLE"
 HUGE_PAGES_ENV = "THP_MEM_ALLOC_ENABLE"
-OMP_SPIN_ENV = "GOMP_SPINCOUNT"
 """PyTorch's switch: its CPU allocator advises huge pages for allocations of 2 MiB and more
 (read once per process, so it takes effect in the engine processes vLLM starts)."""
+OMP_SPIN_ENV = "GOMP_SPINCOUNT"
 
 
 def _apply_env(args: VllmEngineArgs) -> None:

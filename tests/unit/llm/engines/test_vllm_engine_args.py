@@ -17,6 +17,7 @@ from dynagraph.llm.engines import SamplingSpec
 from dynagraph.llm.engines.vllm_engine import (
     DYNAMO_DISABLE_ENV,
     HUGE_PAGES_ENV,
+    OMP_SPIN_COUNT,
     OMP_SPIN_ENV,
     VllmEngine,
     VllmEngineArgs,
@@ -85,28 +86,29 @@ def test_engine_tensors_in_huge_pages_unless_turned_off(monkeypatch: pytest.Monk
     assert os.environ[HUGE_PAGES_ENV] == "0"
 
 
-def test_omp_spin_count_sets_libgomps_spin_only_when_given(monkeypatch: pytest.MonkeyPatch
-                                                           ) -> None:
-    """``omp-spin-count`` becomes ``GOMP_SPINCOUNT`` for the engine processes; unset, the
-    environment (an operator's own value) is left as it is."""
+def test_omp_spin_count_sets_libgomps_spin_unless_none(monkeypatch: pytest.MonkeyPatch
+                                                      ) -> None:
+    """``omp-spin-count`` becomes ``GOMP_SPINCOUNT`` for the engine processes, short by
+    default; ``null`` leaves the environment (an operator's own value) as it is."""
     monkeypatch.setenv(OMP_SPIN_ENV, "777")
-    _apply_env(VllmEngineArgs(model="m"))
+    _apply_env(VllmEngineArgs.model_validate({"model": "m", "omp-spin-count": None}))
     assert os.environ[OMP_SPIN_ENV] == "777"
-    _apply_env(VllmEngineArgs.model_validate({"model": "m", "omp-spin-count": 10000}))
-    assert os.environ[OMP_SPIN_ENV] == "10000"
+    _apply_env(VllmEngineArgs(model="m"))
+    assert os.environ[OMP_SPIN_ENV] == str(OMP_SPIN_COUNT)
+    _apply_env(VllmEngineArgs.model_validate({"model": "m", "omp-spin-count": 50000}))
+    assert os.environ[OMP_SPIN_ENV] == "50000"
     with pytest.raises(ValidationError, match="omp-spin-count"):
         VllmEngineArgs.model_validate({"model": "m", "omp-spin-count": -1})
 
 
-def test_prefill_engines_spin_briefly_decode_engines_as_openmp_does() -> None:
-    """The prefill engine idles between jobs, and its threads' spin took a core from the KV
-    hand-off; the decode engine keeps OpenMP's own unless configured."""
-    from components.prefill_worker import PREFILL_OMP_SPIN_COUNT, PrefillWorkerConfig
+def test_prefill_and_decode_engines_both_spin_briefly() -> None:
+    """Both disagg engines share a host's cores: each one's spin took them from the other."""
+    from components.prefill_worker import PrefillWorkerConfig
     from components.worker import VllmWorkerConfig
 
-    assert PrefillWorkerConfig(model="m").omp_spin_count == PREFILL_OMP_SPIN_COUNT
-    assert VllmWorkerConfig(model="m").omp_spin_count is None
-    assert PrefillWorkerConfig.model_validate(
+    assert PrefillWorkerConfig(model="m").omp_spin_count == OMP_SPIN_COUNT
+    assert VllmWorkerConfig(model="m").omp_spin_count == OMP_SPIN_COUNT
+    assert VllmWorkerConfig.model_validate(
         {"model": "m", "omp-spin-count": None}).omp_spin_count is None
 
 
