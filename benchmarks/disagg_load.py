@@ -7,10 +7,10 @@ one prefill worker), every prompt prefilled remotely (``max-local-prefill-length
 the prompts are ~170 tokens: ``benchmarks/chaos.py``'s load), ``kv-transport`` set on both
 workers to each of ``--transports`` in turn (rounds alternate the order); as in
 ``benchmarks/disagg_served.py``, a transport may carry settings after ``@``
-(``shm@omp-spin-count=10000``: a VllmWorker key; ``shm@PrefillWorker.key=value``). After the graph
-is ready and ``--warmup`` seconds of load, ``--concurrency`` closed-loop clients stream
-``--max-tokens`` greedy tokens for ``--window`` seconds; reported: requests completed in
-the window, errors, TTFT and inter-token p50 / p99. Writes
+(``shm@omp-spin-count=null``: a VllmWorker key; ``shm@PrefillWorker.key=value``). After
+the graph is ready and ``--warmup`` seconds of load, ``--concurrency`` closed-loop clients
+stream ``--max-tokens`` greedy tokens for ``--window`` seconds; reported: requests
+completed in the window, errors, TTFT and inter-token p50 / p99. Writes
 ``benchmarks/results/<name>.{json,md}``.
 """
 

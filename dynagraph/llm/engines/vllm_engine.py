@@ -69,11 +69,11 @@ own work is as fast. (An agg engine's model runner has one thread: no effect the
 Measured, 2-core VM, 2026-12-05: prefill engines alone (``benchmarks/disagg_served.py
 --requests 40``, four A/B runs, ``disagg_served_omp_spin*.md``), TTFT 65 -> 59 ms at 1k
 tokens and 319 -> 306 ms at 4k (medians of 160 requests each way; lower in every run),
-1k transfers 0.45 -> 0.36 ms; the decode engines' too, under load (``benchmarks/
-disagg_load.py``, ``disagg_load_omp_spin.md``, 2 rounds): TTFT p50 519 / 411 -> 122 /
-125 ms, p99 1.7 / 1.8 -> 0.8 / 0.6 s, 2.1 -> 3.1 ms between tokens, requests completed
-312 / 307 -> 268 / 304 (a slower VM that morning: TTFT 771 / 736 -> 116 / 127 ms, 131 /
-121 -> 170 / 170 completed)."""
+1k transfers 0.45 -> 0.36 ms; the decode engines' too, under load
+(``benchmarks/disagg_load.py``, ``disagg_load_omp_spin.md``, 2 rounds): TTFT p50
+519 / 411 -> 122 / 125 ms, p99 1.7 / 1.8 -> 0.8 / 0.6 s, 2.1 -> 3.1 ms between tokens,
+requests completed 312 / 307 -> 268 / 304 (a slower VM that morning: TTFT 771 / 736 ->
+116 / 127 ms, completed 131 / 121 -> 170 / 170)."""
 
 
 def _kebab(name: str) -> str:
