@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import _common as bench  # noqa: E402
 from benchmarks.chaos import load, short  # noqa: E402
-from benchmarks.disagg_served import setting_override  # noqa: E402
+from benchmarks.disagg_served import split_transport  # noqa: E402
 from dynagraph.runtime.infra import free_port, local_infra  # noqa: E402
 from tools.model_builder import ensure_model  # noqa: E402
 
@@ -42,9 +42,9 @@ def run(a: argparse.Namespace, transport: str) -> dict[str, Any]:
                "graphs.disagg_router:Frontend", "-f", "configs/disagg_router.yaml",
                f"--Frontend.port={port}", f"--Common.model={model_dir}",
                "--VllmWorker.max-local-prefill-length=64"]
-        kind, *settings = transport.split("@")  # shm@key=value@Component.key=value
-        cmd += [f"--VllmWorker.kv-transport={kind}", f"--PrefillWorker.kv-transport={kind}"]
-        cmd += [f"--{setting_override(kv)}" for kv in settings]
+        kind, overrides = split_transport(transport)
+        cmd += [f"--VllmWorker.kv-transport={kind}", f"--PrefillWorker.kv-transport={kind}",
+                *overrides]
         graph = bench.ManagedProcess(cmd, {**bench.infra_env(infra), "PYTHONUNBUFFERED": "1"},
                                      name=f"disagg-load-{transport}")
         try:

@@ -110,6 +110,13 @@ def setting_override(setting: str) -> str:
     return setting if head in COMPONENTS else f"VllmWorker.{setting}"
 
 
+def split_transport(transport: str) -> tuple[str, list[str]]:
+    """``nixl@key=value@Component.key=value``: the transport and its settings as
+    ``dynamo serve`` overrides (pure)."""
+    spec, *settings = transport.split("@")
+    return spec, [f"--{setting_override(kv)}" for kv in settings]
+
+
 def run(requests: int, transport: str = "nixl") -> list[dict[str, Any]]:
     model_dir = ensure_model(bench.REPO / "models" / "tiny-llama")
     port = free_port()
@@ -119,8 +126,8 @@ def run(requests: int, transport: str = "nixl") -> list[dict[str, Any]]:
                "NATS_SERVER": infra["nats"].url, "PYTHONUNBUFFERED": "1"}
         cmd = [sys.executable, "-m", "dynagraph.cli.main", "serve", "graphs.disagg:Frontend",
                "-f", "configs/disagg.yaml", f"--Frontend.port={port}", f"--Common.model={model_dir}"]
-        spec, *settings = transport.split("@")  # nixl@key=value@Component.key=value
-        cmd += [f"--{setting_override(kv)}" for kv in settings]
+        spec, overrides = split_transport(transport)
+        cmd += overrides
         tier = None
         if spec.startswith("tier"):  # tier or tier:CODEC (the blocks move compressed)
             tier = tempfile.mkdtemp(prefix="disagg-served-kv-", dir="/dev/shm")

@@ -308,6 +308,7 @@ HUGE_PAGES_ENV = "THP_MEM_ALLOC_ENABLE"
 """PyTorch's switch: its CPU allocator advises huge pages for allocations of 2 MiB and more
 (read once per process, so it takes effect in the engine processes vLLM starts)."""
 OMP_SPIN_ENV = "GOMP_SPINCOUNT"
+"""libgomp's spin before a waiting thread sleeps (``omp-spin-count``; read at its start)."""
 
 
 def _apply_env(args: VllmEngineArgs) -> None:
