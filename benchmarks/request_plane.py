@@ -1,6 +1,7 @@
 """Request-plane benchmark: round trip and stream throughput between two processes.
 
     python benchmarks/request_plane.py [--calls 5000] [--items 500000] [--loop both]
+                                       [--fan-out 64] [--steps 2000]
 
 A server process (multiprocessing, spawn) serves an ``RpcServer`` and, on a second
 port, a bare asyncio TCP server speaking length-prefixed msgpack frames with no RPC
@@ -8,7 +9,10 @@ layer (the floor). The parent measures, for each:
 
   (a) sequential one-response calls: round-trip p50 / p99 in microseconds;
   (b) one stream of N small items ({"i": n}): items per second;
-  (c) RPC only: one-response calls from 32 concurrent tasks (32 pooled connections).
+  (c) RPC only: one-response calls from 32 concurrent tasks (sharing one connection);
+  (d) RPC only, the shape of a decode worker's output: ``--fan-out`` streams fed in
+      lockstep, one ~100-byte item each per 1 ms step (an engine step), for ``--steps``
+      steps: CPU microseconds per item in the callee and in the caller process.
 
 Everything binds to 127.0.0.1. Prints a table and writes
 benchmarks/results/request_plane.json and .md. Targets (issue 2): p50 <= 100 us,
@@ -131,10 +135,56 @@ async def _many(payload: Any, ctx: RequestContext) -> AsyncIterator[Any]:
         yield {"i": k}
 
 
+STEP_S = 0.001
+"""The fan-out's step: every stream gets one item per step."""
+
+
+class _Steps:
+    """A clock of steps: ``await steps.next()`` returns at the next one."""
+
+    def __init__(self) -> None:
+        self._next: asyncio.Future[None] | None = None
+        self.waiting = 0
+
+    async def next(self) -> None:
+        if self._next is None:
+            self._next = asyncio.get_running_loop().create_future()
+        self.waiting += 1
+        try:
+            await self._next
+        finally:
+            self.waiting -= 1
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(STEP_S)
+            if self._next is not None:
+                self._next.set_result(None)
+                self._next = None
+
+
+_STEPS = _Steps()
+
+
+async def _stepped(payload: Any, ctx: RequestContext) -> AsyncIterator[Any]:
+    """``payload`` items, one per step: a token chunk of a decode worker's size."""
+    for k in range(payload):
+        await _STEPS.next()
+        yield {"token_ids": [k], "text": " token", "finish_reason": None,
+               "cum_logprob": None, "index": 0, "usage": None, "request_id": ctx.request_id}
+
+
+async def _cpu(payload: Any, ctx: RequestContext) -> AsyncIterator[float]:
+    yield time.process_time()
+
+
 async def _serve(conn: Any) -> None:
     server = RpcServer()
     server.add_endpoint("one", _one)
     server.add_endpoint("many", _many)
+    server.add_endpoint("stepped", _stepped)
+    server.add_endpoint("cpu", _cpu)
+    steps = asyncio.get_running_loop().create_task(_STEPS.run())
     await server.start()
     loop = asyncio.get_running_loop()
     bare = await loop.create_server(_BareServer, "127.0.0.1", 0)
@@ -142,6 +192,7 @@ async def _serve(conn: Any) -> None:
     conn.send((server.address, f"127.0.0.1:{bare_port}"))
     await loop.run_in_executor(None, conn.recv)  # parent says stop
     bare.close()
+    steps.cancel()
     await server.stop(grace=1.0)
 
 
@@ -179,7 +230,8 @@ async def _timed_calls(call: Callable[[], Any], calls: int) -> dict[str, float]:
     return _percentiles(samples)
 
 
-async def _measure(rpc_addr: str, bare_addr: str, calls: int, items: int) -> dict[str, Any]:
+async def _measure(rpc_addr: str, bare_addr: str, calls: int, items: int,
+                   fan_out: int, steps: int) -> dict[str, Any]:
     client = RpcClient()
 
     async def rpc_one() -> None:
@@ -213,8 +265,31 @@ async def _measure(rpc_addr: str, bare_addr: str, calls: int, items: int) -> dic
                              "items_per_s": round(items / elapsed)}
     bare.transport.close()
     result["rpc_concurrent"] = await _concurrent(rpc_one, CONCURRENCY, calls)
+    result["rpc_fan_out"] = await _fan_out(client, rpc_addr, fan_out, steps)
     await client.close()
     return result
+
+
+async def _fan_out(client: RpcClient, address: str, streams: int, steps: int
+                   ) -> dict[str, Any]:
+    """``streams`` streams of ``steps`` items each, fed in lockstep (see ``_stepped``)."""
+    async def server_cpu() -> float:
+        [cpu] = [c async for c in client.call(address, "cpu", None)]
+        return float(cpu)
+
+    async def drain(n: int) -> int:
+        return sum([1 async for _ in client.call(address, "stepped", n)])
+
+    await asyncio.gather(*(drain(20) for _ in range(streams)))  # warm
+    server0, client0, t0 = await server_cpu(), time.process_time(), time.perf_counter()
+    got = await asyncio.gather(*(drain(steps) for _ in range(streams)))
+    elapsed = time.perf_counter() - t0
+    client_cpu, server1 = time.process_time() - client0, await server_cpu()
+    items = sum(got)
+    assert items == streams * steps, (items, streams * steps)
+    return {"streams": streams, "steps": steps, "seconds": round(elapsed, 3),
+            "server_us_per_item": round((server1 - server0) / items * 1e6, 2),
+            "client_us_per_item": round(client_cpu / items * 1e6, 2)}
 
 
 async def _concurrent(call: Callable[[], Any], tasks: int, calls: int) -> dict[str, Any]:
@@ -235,7 +310,8 @@ async def _concurrent(call: Callable[[], Any], tasks: int, calls: int) -> dict[s
     return {"tasks": tasks, "calls": calls, "calls_per_s": round(calls / elapsed)}
 
 
-def run_one(loop_kind: str, calls: int, items: int) -> dict[str, Any]:
+def run_one(loop_kind: str, calls: int, items: int, fan_out: int, steps: int
+            ) -> dict[str, Any]:
     use_uvloop = loop_kind == "uvloop"
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
@@ -245,7 +321,8 @@ def run_one(loop_kind: str, calls: int, items: int) -> dict[str, Any]:
         if not parent.poll(30):
             raise TimeoutError("benchmark server did not report its address within 30 s")
         rpc_addr, bare_addr = parent.recv()
-        result: dict[str, Any] = _run(_measure(rpc_addr, bare_addr, calls, items), use_uvloop)
+        result: dict[str, Any] = _run(
+            _measure(rpc_addr, bare_addr, calls, items, fan_out, steps), use_uvloop)
         parent.send("stop")
         proc.join(10)
     finally:
@@ -261,7 +338,8 @@ def _median_run(samples: list[dict[str, Any]]) -> dict[str, Any]:
     merged: dict[str, Any] = {"loop": samples[0]["loop"], "repeat": len(samples)}
     for key, value in samples[0].items():
         if isinstance(value, dict):
-            merged[key] = {k: statistics.median(s[key][k] for s in samples) for k in value}
+            merged[key] = {k: round(statistics.median(s[key][k] for s in samples), 2)
+                           for k in value}
     merged["samples"] = samples
     return merged
 
@@ -278,6 +356,10 @@ def _table(runs: list[dict[str, Any]]) -> str:
                      f"{r['bare_stream']['items_per_s']:,} | >= {TARGET_ITEMS_PER_S:,} |")
         lines.append(f"| {r['loop']} | {r['rpc_concurrent']['tasks']} concurrent callers, "
                      f"calls/s | {r['rpc_concurrent']['calls_per_s']:,} | | |")
+        fan = r["rpc_fan_out"]
+        lines.append(f"| {r['loop']} | {fan['streams']} streams in lockstep, CPU us per item: "
+                     f"callee / caller | {fan['server_us_per_item']} / "
+                     f"{fan['client_us_per_item']} | | |")
     return "\n".join(lines)
 
 
@@ -285,6 +367,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--calls", type=int, default=5000)
     parser.add_argument("--items", type=int, default=500_000)
+    parser.add_argument("--fan-out", type=int, default=64,
+                        help="streams fed in lockstep, one item per step each (d)")
+    parser.add_argument("--steps", type=int, default=2000, help="items per fan-out stream")
     parser.add_argument("--loop", choices=["asyncio", "uvloop", "both"], default="both")
     parser.add_argument("--repeat", type=int, default=3,
                         help="runs per loop kind (fresh server process each); medians are reported")
@@ -300,7 +385,8 @@ def main() -> None:
             kinds.remove("uvloop")
     runs = []
     for kind in kinds:
-        samples = [run_one(kind, args.calls, args.items) for _ in range(args.repeat)]
+        samples = [run_one(kind, args.calls, args.items, args.fan_out, args.steps)
+                   for _ in range(args.repeat)]
         runs.append(_median_run(samples))
     table = _table(runs)
     sys.stdout.write(table + "\n")
@@ -309,7 +395,7 @@ def main() -> None:
     meta = {"when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "python": platform.python_version(), "cpus": os.cpu_count(),
             "load_avg_1m": round(os.getloadavg()[0], 2), "calls": args.calls,
-            "items": args.items, "note": "provisional: 2-core machine shared with other jobs"}
+            "items": args.items, "fan_out": args.fan_out, "steps": args.steps, "note": "provisional: 2-core machine shared with other jobs"}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "request_plane.json").write_text(
         json.dumps({"meta": meta, "runs": runs}, indent=2) + "\n")
@@ -319,6 +405,7 @@ def main() -> None:
         f"{meta['cpus']} CPUs, 1-min load average {meta['load_avg_1m']} "
         f"({meta['note']}).\nServer and client are separate processes on 127.0.0.1; "
         f"{args.calls} sequential calls, one stream of {args.items:,} items `{{\"i\": n}}`; "
+        f"{args.fan_out} streams of {args.steps:,} items fed in lockstep (one per 1 ms step); "
         f"each figure is the median of {args.repeat} runs. "
         "'bare floor' is asyncio.Protocol + the same msgpack framing with no RPC layer.\n\n"
         + table + "\n")

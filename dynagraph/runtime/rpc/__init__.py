@@ -4,8 +4,9 @@ A callee process runs one ``RpcServer`` with named endpoints; each endpoint is a
 generator function ``handler(payload, ctx)``. A caller process uses one ``RpcClient``;
 ``client.call(address, endpoint, payload)`` returns an async iterator of the responses.
 
-Wire: TCP, length-prefixed msgpack frames (see ``_framing``), one stream at a time per
-pooled connection. Errors, as seen by the caller:
+Wire: TCP, length-prefixed msgpack frames (see ``_framing``); a caller process keeps one
+connection to each server and runs all its streams to it over that connection, each
+with its own flow control. Errors, as seen by the caller:
 
     InstanceUnavailable   not taken (connect refused/timed out, server stopping, or the
                           connection closed before the server's first frame): retry elsewhere

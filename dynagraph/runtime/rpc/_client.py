@@ -1,24 +1,25 @@
 """Request-plane client: calls streaming endpoints on other processes.
 
-One ``RpcClient`` per process. It keeps a pool of idle connections per address; a
-call takes one (or connects), sends its REQUEST, and gives the connection back after
-a clean END or ERROR. A stream that is abandoned early sends CANCEL, so the callee's
-handler is cancelled at once, and reads on in the background up to the terminal frame
-the callee answers with, then pools the connection (closed instead if none comes within
-``CANCEL_DRAIN_S``). Every Processor request abandons the Router's tracking stream when
-it ends; closing that connection instead cost a TCP connect and close per request.
+One ``RpcClient`` per process. It keeps one connection to each address and runs all its
+streams to that address over it (``_framing``): the callee writes the items of all of
+them with one socket write per event-loop iteration, and this process reads them with
+one wake-up. A stream that is abandoned early sends CANCEL, so the callee's handler is
+cancelled at once; the frames still in flight for it are dropped as they arrive.
 
-Backpressure: received bytes are decoded lazily as the caller iterates; when more
-than ``READ_HIGH_WATER`` bytes wait undecoded, the socket stops being read, TCP's
-window fills and the callee's handler is held at its ``yield``.
+Backpressure is per stream: items are decoded as they arrive and wait in the stream's
+queue; the callee holds a stream's handler once ``STREAM_WINDOW`` bytes wait uncredited,
+and the stream credits what its reader has taken (``CREDIT_BYTES`` at a time). A slow
+reader holds only its own stream's handler, never the connection.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import socket
+from collections import deque
 from types import TracebackType
 from typing import Any, cast
 
@@ -32,35 +33,32 @@ from ._framing import (
     FrameDecoder,
     FrameEncoder,
     ProtocolError,
-    error_from_frame,
+    error_from_body,
 )
 from ._local import LocalStream, local_server
+from ._server import STREAM_WINDOW
 
 log = logging.getLogger(__name__)
 
-READ_HIGH_WATER = 256 * 1024
-"""Undecoded bytes above which the client stops reading the socket."""
-READ_LOW_WATER = 64 * 1024
-"""Undecoded bytes below which reading resumes."""
+CREDIT_BYTES = STREAM_WINDOW // 4
+"""Item bytes a stream's reader takes before the stream credits them to the callee."""
 NOT_READY: Any = object()
 """``RpcStream.take_ready``'s answer when no whole item is waiting."""
 CANCEL_DRAIN_S = 2.0
-"""How long a cancelled stream's connection waits for the callee's terminal frame before
-it is closed instead of pooled."""
+"""How long a cancelled stream waits for the callee's terminal frame before its id is
+forgotten (the frames of a handler that ignores cancellation are then dropped)."""
 IDLE_TIMEOUT_S = 4.0
 """Default ``idle_timeout``: servers send a heartbeat every second on a quiet stream, so
 this much silence means the callee is frozen (SIGSTOP, a stalled event loop) or cut off."""
 
 
 class RpcClient:
-    """Calls endpoints served by ``RpcServer``s; pools connections per address.
+    """Calls endpoints served by ``RpcServer``s over one connection per address.
 
-    ``call()`` may be used by many tasks at once; each concurrent stream to an address
-    uses its own connection.
+    ``call()`` may be used by many tasks at once; their streams share the connection.
     """
 
     def __init__(self, *, connect_timeout: float = 2.0, max_frame_bytes: int = 64 << 20,
-                 max_idle_per_address: int = 64,
                  idle_timeout: float | None = IDLE_TIMEOUT_S) -> None:
         """``idle_timeout``: a stream that receives nothing (not even the server's ALIVE
         heartbeat) for that many seconds is cancelled and raises ``StreamBroken``
@@ -68,18 +66,20 @@ class RpcClient:
         self._connect_timeout = connect_timeout
         self.idle_timeout = idle_timeout
         self._max_frame_bytes = max_frame_bytes
-        self._max_idle = max_idle_per_address
         self._encoder = FrameEncoder()
-        self._idle: dict[str, list[_ClientConnection]] = {}
+        self._open: dict[str, _ClientConnection] = {}  # the connection new streams use
+        self._connecting: dict[str, asyncio.Task[_ClientConnection]] = {}
         self._connections: set[_ClientConnection] = set()
         self._closed = False
+        self._waiting: set[RpcStream] = set()  # streams waiting for a frame
+        self._watchdog: asyncio.Task[None] | None = None
 
     def call(self, address: str, endpoint: str, payload: Any, *,
              headers: dict[str, str] | None = None) -> RpcStream | LocalStream:
         """Start a call of ``endpoint`` at ``address`` (``host:port``); iterate the result.
 
         The payload is encoded now (a TypeError for an unencodable payload is raised
-        here); the connection is made on the first ``__anext__``. Raises, while
+        here); the request is sent on the first ``__anext__``. Raises, while
         iterating: ``InstanceUnavailable`` (not delivered: connect failed or server
         stopping; safe to retry elsewhere), ``StreamBroken`` (connection lost after the
         request was sent, or ``idle_timeout`` passed), ``RemoteError`` or a ``WIRE_ERRORS`` type (handler raised).
@@ -89,52 +89,138 @@ class RpcClient:
         server = local_server(address)
         if server is not None:  # a server of this process: no socket (see _local)
             return LocalStream(server, endpoint, headers or {}, payload)
-        request = self._encoder.request(endpoint, headers or {}, payload)
-        return RpcStream(self, address, endpoint, request)
+        tail = self._encoder.request_tail(endpoint, headers or {}, payload)
+        return RpcStream(self, address, endpoint, tail)
 
     async def close(self) -> None:
         """Close every connection; streams still open see ``StreamBroken``."""
         self._closed = True
-        self._idle.clear()
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        self._open.clear()
         for conn in list(self._connections):
-            conn.abort(None)
+            conn.abort()
         self._connections.clear()
 
-    async def _acquire(self, address: str, *, fresh: bool = False) -> _ClientConnection:
+    async def _acquire(self, address: str, *, fresh: bool = False
+                       ) -> tuple[_ClientConnection, bool]:
+        """The connection to ``address`` (made if there is none, or if ``fresh``) and
+        whether it is new. Callers that arrive while it is being made wait for it; a
+        caller's cancellation does not cancel the connect the others wait for."""
         if self._closed:
             raise InstanceUnavailable(f"RpcClient is closed; cannot call {address}")
-        idle = self._idle.get(address)
-        while idle and not fresh:
-            conn = idle.pop()
-            if conn.reusable:
-                conn.reused = True
-                return conn
-        host, sep, port = address.rpartition(":")
-        if not sep or not port.isdigit():
-            raise ValueError(f"request-plane address must be 'host:port', got {address!r}")
+        if not fresh:
+            conn = self._open.get(address)
+            if conn is not None and conn.usable:
+                return conn, False
+        task = None if fresh else self._connecting.get(address)
+        if task is None:
+            host, sep, port = address.rpartition(":")
+            if not sep or not port.isdigit():
+                raise ValueError(f"request-plane address must be 'host:port', got {address!r}")
+            task = asyncio.get_running_loop().create_task(
+                self._connect(address, host.strip("[]"), int(port)))
+            if not fresh:
+                self._connecting[address] = task
+                task.add_done_callback(lambda t: self._connected(address, t))
+        return await asyncio.shield(task), True
+
+    def _connected(self, address: str, task: asyncio.Task[_ClientConnection]) -> None:
+        if self._connecting.get(address) is task:
+            del self._connecting[address]
+        if not task.cancelled():
+            task.exception()  # retrieved: every caller waiting for it may have left
+
+    async def _connect(self, address: str, host: str, port: int) -> _ClientConnection:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self._connect_timeout):
                 _, conn = await loop.create_connection(
-                    lambda: _ClientConnection(self, self._max_frame_bytes),
-                    host.strip("[]"), int(port))
+                    lambda: _ClientConnection(self, address, self._max_frame_bytes), host, port)
         except TimeoutError as exc:
             raise InstanceUnavailable(
                 f"connect to {address} timed out after {self._connect_timeout}s") from exc
         except OSError as exc:
             raise InstanceUnavailable(f"cannot connect to {address}: {exc}") from exc
+        if self._closed:
+            conn.abort()
+            raise InstanceUnavailable(f"RpcClient is closed; cannot call {address}")
         self._connections.add(conn)
+        self._open[address] = conn
         return conn
 
-    def _release(self, address: str, conn: _ClientConnection) -> None:
-        idle = self._idle.setdefault(address, [])
-        if conn.reusable and not self._closed and len(idle) < self._max_idle:
-            idle.append(conn)
-        else:
-            conn.abort(None)
+    def _watch(self, stream: RpcStream) -> None:
+        """Count ``stream``'s silence while it waits (``idle_timeout``)."""
+        self._waiting.add(stream)
+        if self._watchdog is None:
+            self._watchdog = asyncio.get_running_loop().create_task(
+                self._watch_silence(), name="rpc-idle-watchdog")
+
+    async def _watch_silence(self) -> None:
+        """Break the streams that waited ``idle_timeout`` seconds for a frame, counted only
+        while this process runs: the clock advances in steps of an eighth of the limit, and
+        a step this process overran (it was starved of CPU, in a long GC, or the whole host
+        was paused: 2-7 s seen on this VM under an engine's load) counts as at most 1.5
+        steps, so a stall of the *caller* is never taken for a frozen callee. After the
+        limit, one more loop turn reads what is waiting on the socket.
+
+        One task for all the streams of this client (a timer per wait cost more CPU than
+        the rest of the stream's read); it ends when none is waiting.
+        """
+        assert self.idle_timeout is not None
+        loop = asyncio.get_running_loop()
+        limit = self.idle_timeout
+        step = limit / 8
+        last = loop.time()
+        try:
+            while self._waiting:
+                await asyncio.sleep(step)
+                now = loop.time()
+                expired = []
+                for stream in self._waiting:
+                    stream._silent += min(now - max(last, stream._wait_began), 1.5 * step)
+                    if stream._silent >= limit:
+                        expired.append(stream)
+                last = now
+                if expired:
+                    await asyncio.sleep(0)  # one more loop turn: read what has arrived
+                    for stream in expired:
+                        stream._expire(limit)
+        finally:
+            self._watchdog = None
 
     def _forget(self, conn: _ClientConnection) -> None:
-        self._connections.discard(conn)
+        """``conn`` is closed or takes no new streams."""
+        if conn.closed:
+            self._connections.discard(conn)
+        if self._open.get(conn.address) is conn:
+            del self._open[conn.address]
+
+
+class _Inbox:
+    """What a connection keeps for one of its streams: the frames that arrived for it
+    (with their sizes), its reader's waiter, and, once cancelled, the drain timer."""
+
+    __slots__ = ("sid", "frames", "waiter", "cancelled", "timer")
+
+    def __init__(self, sid: int) -> None:
+        self.sid = sid
+        self.frames: deque[tuple[list[Any], int]] = deque()
+        self.waiter: asyncio.Future[None] | None = None
+        self.cancelled = False  # CANCEL sent: frames are dropped up to the terminal one
+        self.timer: asyncio.TimerHandle | None = None
+
+    def wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None:
+            self.waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    @property
+    def ended(self) -> bool:
+        """The terminal frame has arrived (it is always the last one queued)."""
+        return bool(self.frames) and self.frames[-1][0][0] in (END, ERROR)
 
 
 class RpcStream:
@@ -144,15 +230,20 @@ class RpcStream:
     ``aclose()`` cancels the remote handler if the stream has not ended.
     """
 
-    def __init__(self, client: RpcClient, address: str, endpoint: str, request: bytes) -> None:
+    def __init__(self, client: RpcClient, address: str, endpoint: str, tail: bytes) -> None:
         self._client = client
         self._address = address
         self._endpoint = endpoint
-        self._request: bytes | None = request
+        self._tail: bytes | None = tail  # the request, until a frame proves it delivered
         self._conn: _ClientConnection | None = None
+        self._inbox: _Inbox | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._done = False
-        self._held: list[Any] | None = None  # a terminal frame ``take_ready`` came upon
+        self._reused = False  # sent on a connection that was already open
+        self._sent_at = 0  # the connection's ``received`` count when the request went
+        self._uncredited = 0
+        self._silent = 0.0  # seconds of the current wait counted by the watchdog
+        self._wait_began = 0.0
 
     def __aiter__(self) -> RpcStream:
         return self
@@ -165,33 +256,33 @@ class RpcStream:
             conn = await self._open()
         try:
             while True:
-                frame: list[Any] | None = self._held
-                if frame is not None:
-                    self._held = None
-                else:
-                    frame = conn.next_frame()
-                if frame is None:
-                    if conn.closed and self._request is not None and conn.stale:
+                assert self._inbox is not None
+                frames = self._inbox.frames
+                if frames:
+                    frame, size = frames.popleft()
+                    self._tail = None  # delivered; never resend from here on
+                    kind = frame[0]
+                    if kind == ITEM and len(frame) == 3:
+                        self._taken(size)
+                        return frame[2]
+                    if kind == ALIVE:
+                        continue
+                    break
+                if conn.closed:
+                    if conn.error is not None:
+                        raise ProtocolError(f"{self._address}: {conn.error}")
+                    if self._tail is not None and self._stale(conn):
                         conn = await self._open(fresh=True)  # request not delivered: resend
                         continue
-                    if conn.closed and self._request is not None:
+                    reason = f": {conn.lost_reason}" if conn.lost_reason else ""
+                    if self._tail is not None:
                         # Servers answer every request with a frame before its handler runs.
                         raise InstanceUnavailable(
                             f"{self._address} closed the connection before taking "
-                            f"{self._endpoint!r}" + (f": {conn.lost_reason}"
-                                                     if conn.lost_reason else ""))
-                    if conn.closed:
-                        raise StreamBroken(
-                            f"connection to {self._address} lost during {self._endpoint!r}"
-                            + (f": {conn.lost_reason}" if conn.lost_reason else ""))
-                    await conn.wait(self._client.idle_timeout, self._address, self._endpoint)
-                    continue
-                self._request = None  # delivered; never resend from here on
-                if frame[0] == ITEM and len(frame) == 2:
-                    return frame[1]
-                if frame[0] == ALIVE:
-                    continue
-                break
+                            f"{self._endpoint!r}{reason}")
+                    raise StreamBroken(
+                        f"connection to {self._address} lost during {self._endpoint!r}{reason}")
+                await self._wait(self._inbox)
         except asyncio.CancelledError:  # the caller's task: the connection is sound
             self._cancel()
             raise
@@ -206,87 +297,123 @@ class RpcStream:
         For a reader that is behind: what has piled up can be taken (and merged) at once.
         A terminal frame met on the way is kept for the next ``__anext__``.
         """
-        conn = self._conn
-        if conn is None or self._held is not None or self._request is not None:
+        inbox = self._inbox
+        if self._conn is None or inbox is None or self._tail is not None:
             return NOT_READY
-        while True:
-            try:
-                frame = conn.next_frame()
-            except BaseException:
-                self._abort()
-                raise
-            if frame is None:
+        frames = inbox.frames
+        while frames:
+            frame, size = frames[0]
+            kind = frame[0]
+            if kind == ITEM and len(frame) == 3:
+                frames.popleft()
+                self._taken(size)
+                return frame[2]
+            if kind != ALIVE:
                 return NOT_READY
-            if frame[0] == ITEM and len(frame) == 2:
-                return frame[1]
-            if frame[0] != ALIVE:
-                self._held = frame
-                return NOT_READY
+            frames.popleft()
+        return NOT_READY
+
+    def _taken(self, size: int) -> None:
+        """The reader took an item of ``size`` bytes: credit the callee in batches."""
+        self._uncredited += size
+        if self._uncredited >= CREDIT_BYTES:
+            assert self._conn is not None and self._inbox is not None
+            self._conn.send(self._client._encoder.credit(self._inbox.sid, self._uncredited))
+            self._uncredited = 0
+
+    def _stale(self, conn: _ClientConnection) -> bool:
+        """Sent on an already open connection that the server had closed: reset with
+        no byte received after the request, which proves it was not delivered."""
+        return self._reused and conn.reset and conn.received == self._sent_at
+
+    async def _wait(self, inbox: _Inbox) -> None:
+        """Wait until a frame arrives for this stream or the connection is lost; raises
+        StreamBroken after ``idle_timeout`` seconds of silence (``_watch_silence``)."""
+        loop = asyncio.get_running_loop()
+        waiter = inbox.waiter = loop.create_future()
+        client = self._client
+        try:
+            if client.idle_timeout is not None:
+                self._silent = 0.0
+                self._wait_began = loop.time()
+                client._watch(self)
+            await waiter
+        finally:
+            inbox.waiter = None
+            client._waiting.discard(self)
+
+    def _expire(self, limit: float) -> None:
+        """The watchdog's verdict: silent for ``limit`` seconds."""
+        inbox, conn = self._inbox, self._conn
+        if inbox is None or inbox.waiter is None or inbox.waiter.done():
+            return  # a frame came in the last loop turn
+        if conn is not None:
+            conn.retire()  # a frozen or cut-off callee: new calls connect anew
+        inbox.waiter.set_exception(StreamBroken(
+            f"{self._endpoint!r} at {self._address} sent nothing for {limit}s "
+            "(idle_timeout); cancelled"))
 
     async def _open(self, *, fresh: bool = False) -> _ClientConnection:
-        """Send the request on a pooled (or, if ``fresh``, a new) connection.
+        """Send the request on the address's connection (a new one if ``fresh``).
 
-        The request bytes are kept until the first response frame: a pooled connection
-        that the server had already closed answers the request with a reset and no
-        data, which proves it was not delivered, so it is resent once on a new one.
+        The request bytes are kept until the stream's first frame: a connection that the
+        server had already closed answers the request with a reset and no data, which
+        proves it was not delivered, so it is resent once on a new connection.
         """
-        request = self._request
-        assert request is not None
+        tail = self._tail
+        assert tail is not None
         self._conn = None
         self._done = True  # until the request is on a connection, nothing to cancel
-        conn = await self._client._acquire(self._address, fresh=fresh)
+        conn, new = await self._client._acquire(self._address, fresh=fresh)
         self._loop = asyncio.get_running_loop()
-        conn.send_request(request)
+        self._inbox = conn.open_stream(tail)
+        self._reused = not new
+        self._sent_at = conn.received
         self._conn = conn
         self._done = False
-        if fresh:
-            self._request = None
         return conn
 
     def _finish(self, frame: list[Any]) -> None:
         """Handle a terminal frame: END, ERROR or garbage. Always raises."""
-        conn = self._conn
-        assert conn is not None
+        conn, inbox = self._conn, self._inbox
+        assert conn is not None and inbox is not None
         self._conn = None
         self._done = True
+        conn.forget(inbox.sid)
         kind = frame[0]
         if kind == END:
-            conn.end_stream()
-            self._client._release(self._address, conn)
             raise StopAsyncIteration
         if kind == ERROR:
-            conn.end_stream()
-            self._client._release(self._address, conn)
-            raise error_from_frame(frame)
-        conn.abort(None)
-        raise ProtocolError(f"unexpected frame kind {kind!r} from {self._address}")
+            exc = error_from_body(frame[2:])
+            if isinstance(exc, InstanceUnavailable):
+                conn.retire()  # the server is stopping: new calls connect anew
+            raise exc
+        error = ProtocolError(f"unexpected frame kind {kind!r} from {self._address}")
+        conn.fail(error)
+        raise error
 
     def _cancel(self) -> None:
-        """Stop a running stream: CANCEL, and pool the connection once the callee's
-        terminal frame is read (``_ClientConnection.cancel``)."""
-        held, self._held = self._held, None
-        if held is not None:  # the stream had ended: nothing to cancel
-            with contextlib.suppress(Exception):  # StopAsyncIteration, or its error
-                self._finish(held)
-            return
-        conn = self._conn
+        """Stop a running stream: CANCEL, and forget it once the callee's terminal
+        frame has arrived (or ``CANCEL_DRAIN_S`` has passed)."""
+        conn, inbox = self._conn, self._inbox
         self._conn = None
         self._done = True
-        if conn is not None:
-            conn.cancel(self._client._encoder.cancel(), self._address)
+        if conn is not None and inbox is not None:
+            conn.cancel_stream(inbox)
 
     def _abort(self) -> None:
-        conn = self._conn
+        """The stream failed on this side: CANCEL without waiting for the answer."""
+        conn, inbox = self._conn, self._inbox
         self._conn = None
         self._done = True
-        if conn is not None:
-            conn.abort(self._client._encoder.cancel())
+        if conn is not None and inbox is not None:
+            conn.abandon(inbox.sid)
 
     async def aclose(self) -> None:
         """End the stream; if it was still running, the remote handler is cancelled.
 
-        Never waits: the connection reads up to the callee's answer to CANCEL in the
-        background and then goes back to the pool.
+        Never waits: the frames the callee sends up to its answer to CANCEL are dropped
+        as they arrive.
         """
         self._cancel()
 
@@ -298,172 +425,144 @@ class RpcStream:
         self._cancel()
 
     def __del__(self) -> None:
-        conn = self._conn
-        if conn is not None and not conn.closed and self._loop is not None:
+        conn, inbox = self._conn, self._inbox
+        if conn is not None and inbox is not None and not conn.closed and self._loop is not None:
             with contextlib.suppress(RuntimeError):  # loop already closed
-                self._loop.call_soon_threadsafe(conn.abort, self._client._encoder.cancel())
+                self._loop.call_soon_threadsafe(conn.abandon, inbox.sid)
 
 
 class _ClientConnection(asyncio.Protocol):
-    """One TCP connection to a server; carries one stream at a time."""
+    """One TCP connection to a server, carrying any number of streams."""
 
-    def __init__(self, client: RpcClient, max_frame_bytes: int) -> None:
+    def __init__(self, client: RpcClient, address: str, max_frame_bytes: int) -> None:
         self._client = client
+        self.address = address
+        self._encoder = client._encoder
         self._decoder = FrameDecoder(max_frame_bytes)
         self._transport: asyncio.Transport | None = None
-        self._waiter: asyncio.Future[None] | None = None
-        self._reading_paused = False
-        self._in_stream = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._sids = itertools.count(1)
+        self.streams: dict[int, _Inbox] = {}
+        self._out = bytearray()
+        self._flush_scheduled = False
         self.closed = False
+        self.retired = False  # takes no new streams; closed once its last one ends
         self.lost_reason = ""
-        self.reused = False
-        self._received = False
-        self._reset = False
-        self._draining: str | None = None  # address to pool at, after a CANCEL's answer
-        self._drain_timer: asyncio.TimerHandle | None = None
+        self.reset = False
+        self.error: ProtocolError | None = None
+        self.received = 0  # data_received calls so far
 
     @property
-    def reusable(self) -> bool:
-        return (not self.closed and not self._in_stream and self._decoder.buffered == 0
-                and self._transport is not None and not self._transport.is_closing())
-
-    @property
-    def stale(self) -> bool:
-        """A reused connection reset by the server before any response byte arrived."""
-        return self.reused and self._reset and not self._received
+    def usable(self) -> bool:
+        return (not self.closed and not self.retired and self._transport is not None
+                and not self._transport.is_closing())
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        self._loop = asyncio.get_running_loop()
         sock = transport.get_extra_info("socket")
         if sock is not None:
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
 
     def data_received(self, data: bytes) -> None:
-        if not self._in_stream:
-            log.warning("unexpected data on an idle request-plane connection; closing it")
-            self.abort(None)
-            return
-        self._received = True
-        self._decoder.feed(data)
-        if self._draining is not None:
-            self._drain()
-            return
-        if self._decoder.buffered > READ_HIGH_WATER and not self._reading_paused:
-            assert self._transport is not None
-            self._reading_paused = True
-            self._transport.pause_reading()
-        self._wake()
+        self.received += 1
+        decoder = self._decoder
+        streams = self.streams
+        try:
+            decoder.feed(data)
+            while (frame := decoder.next()) is not None:
+                try:
+                    inbox = streams.get(frame[1])
+                except (IndexError, TypeError):
+                    raise ProtocolError(f"frame without a stream id: {frame!r}") from None
+                if inbox is None:
+                    continue  # a forgotten stream's (cancelled, or failed on this side)
+                if inbox.cancelled:
+                    if frame[0] in (END, ERROR):
+                        self.forget(inbox.sid)
+                    continue
+                inbox.frames.append((frame, decoder.last_size))
+                if inbox.waiter is not None:
+                    inbox.wake()
+        except ProtocolError as exc:
+            self.fail(exc)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        self._stop_draining()
         if exc is not None:
             self.lost_reason = str(exc) or type(exc).__name__
-            self._reset = isinstance(exc, ConnectionResetError | BrokenPipeError)
-        self._wake()
+            self.reset = isinstance(exc, ConnectionResetError | BrokenPipeError)
+        for inbox in list(self.streams.values()):
+            if inbox.cancelled:
+                self.forget(inbox.sid)
+            else:
+                inbox.wake()
         self._client._forget(self)
 
-    def send_request(self, request: bytes) -> None:
-        assert self._transport is not None and not self._in_stream
-        self._in_stream = True
-        self._received = False
-        self._transport.write(request)
+    def open_stream(self, tail: bytes) -> _Inbox:
+        sid = next(self._sids)
+        inbox = self.streams[sid] = _Inbox(sid)
+        self.send(self._encoder.request(sid, tail))
+        return inbox
 
-    def end_stream(self) -> None:
-        self._in_stream = False
-
-    def next_frame(self) -> list[Any] | None:
-        """The next complete frame, or None if more bytes are needed."""
-        frame = self._decoder.next()
-        if self._reading_paused and (frame is None or self._decoder.buffered < READ_LOW_WATER):
-            assert self._transport is not None
-            self._reading_paused = False
-            if not self.closed:
-                self._transport.resume_reading()
-        return frame
-
-    async def wait(self, idle_timeout: float | None, address: str, endpoint: str) -> None:
-        """Wait until more bytes arrive or the connection is lost.
-
-        Raises StreamBroken after ``idle_timeout`` seconds of silence, counted only while
-        this process runs: the clock advances in steps of an eighth of the limit, and a
-        step this process overran (it was starved of CPU, in a long GC, or the whole host
-        was paused: 2-7 s seen on this VM under an engine's load) counts as at most 1.5
-        steps, so a stall of the *caller* is never taken for a frozen callee. After the
-        limit, one more loop turn reads what is waiting on the socket.
-        """
-        loop = asyncio.get_running_loop()
-        waiter = self._waiter = loop.create_future()
-        try:
-            if idle_timeout is None:
-                await waiter
-                return
-            step, silent = idle_timeout / 8, 0.0
-            while not waiter.done():
-                if silent >= idle_timeout:
-                    await asyncio.sleep(0)  # one more loop turn: read what has arrived
-                    if waiter.done():
-                        break
-                    raise StreamBroken(f"{endpoint!r} at {address} sent nothing for "
-                                       f"{idle_timeout}s (idle_timeout); cancelled")
-                began = loop.time()
-                # asyncio.wait, not asyncio.timeout: a deadline that falls in the same loop
-                # turn as the bytes that end the wait must not cancel the waiting task.
-                await asyncio.wait((waiter,), timeout=step)
-                silent += min(loop.time() - began, 1.5 * step)
-        finally:
-            self._waiter = None
-
-    def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    def cancel(self, cancel_frame: bytes, address: str) -> None:
-        """Send CANCEL, then read (discarding items) up to the callee's terminal frame
-        and give the connection back to the pool for ``address``; closed instead if it
-        does not come within ``CANCEL_DRAIN_S``."""
-        if self.closed or self._transport is None or self._transport.is_closing():
-            self.abort(None)
+    def send(self, frame: bytes) -> None:
+        """Queue ``frame``; everything queued in one loop iteration goes in one write."""
+        if self.closed:
             return
-        self._transport.write(cancel_frame)
-        self._draining = address
-        if self._reading_paused:
-            self._reading_paused = False
-            self._transport.resume_reading()
-        self._drain_timer = asyncio.get_running_loop().call_later(
-            CANCEL_DRAIN_S, self.abort, None)
-        self._drain()
+        self._out += frame
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            assert self._loop is not None
+            self._loop.call_soon(self._flush)
 
-    def _drain(self) -> None:
-        address = self._draining
-        while address is not None:
-            try:
-                frame = self._decoder.next()
-            except ProtocolError as exc:
-                log.warning("bad frame from %s after CANCEL: %s; closing", address, exc)
-                self.abort(None)
-                return
-            if frame is None:
-                return
-            if frame[0] in (END, ERROR):
-                self._stop_draining()
-                self.end_stream()
-                self._client._release(address, self)
-                return
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        if self._out and not self.closed and self._transport is not None:
+            self._transport.write(bytes(self._out))
+        self._out.clear()
 
-    def _stop_draining(self) -> None:
-        self._draining = None
-        if self._drain_timer is not None:
-            self._drain_timer.cancel()
-            self._drain_timer = None
+    def forget(self, sid: int) -> None:
+        """The stream ``sid`` is over: frames still coming for it are dropped."""
+        inbox = self.streams.pop(sid, None)
+        if inbox is not None and inbox.timer is not None:
+            inbox.timer.cancel()
+        if self.retired and not self.streams:
+            self.abort()
 
-    def abort(self, cancel_frame: bytes | None) -> None:
-        """Close the connection, sending ``cancel_frame`` first if given."""
-        self._stop_draining()
-        self._in_stream = False
+    def cancel_stream(self, inbox: _Inbox) -> None:
+        """CANCEL a stream the caller left; its frames are dropped up to the callee's
+        answer, or for ``CANCEL_DRAIN_S``."""
+        if inbox.ended or self.closed or self.streams.get(inbox.sid) is not inbox:
+            self.forget(inbox.sid)  # it had ended (or cannot): nothing to cancel
+            return
+        inbox.cancelled = True
+        inbox.frames.clear()
+        self.send(self._encoder.cancel(inbox.sid))
+        assert self._loop is not None
+        inbox.timer = self._loop.call_later(CANCEL_DRAIN_S, self.forget, inbox.sid)
+
+    def abandon(self, sid: int) -> None:
+        """CANCEL ``sid`` (if it is still open) and forget it at once."""
+        inbox = self.streams.get(sid)
+        if inbox is not None and not inbox.ended and not inbox.cancelled:
+            self.send(self._encoder.cancel(sid))
+        self.forget(sid)
+
+    def retire(self) -> None:
+        """No new streams; the connection closes once its last stream has ended."""
+        self.retired = True
+        self._client._forget(self)
+        if not self.streams:
+            self.abort()
+
+    def fail(self, error: ProtocolError) -> None:
+        """The peer broke the wire format: every stream of the connection ends with it."""
+        log.warning("closing the connection to %s: %s", self.address, error)
+        self.error = error
+        self.abort()
+
+    def abort(self) -> None:
+        """Close the connection; streams still open see it closed."""
         if self._transport is not None and not self._transport.is_closing():
-            if cancel_frame is not None:
-                self._transport.write(cancel_frame)
             self._transport.close()

@@ -1,24 +1,30 @@
 """Wire format of the request plane: length-prefixed msgpack frames. Pure, no I/O.
 
 Every frame is a 4-byte big-endian body length followed by a msgpack body. The body
-is an array whose first element is the frame kind:
+is an array: the frame kind, then the id of the stream it belongs to (``sid``, chosen
+by the caller, unique among the open streams of its connection):
 
-    REQUEST  [0, endpoint: str, headers: {str: str}, payload]     caller -> callee
-    ITEM     [1, payload]                                         callee -> caller
-    END      [2]                                                  callee -> caller
-    ERROR    [3, remote_type: str, message: str, wire_type: str | None, extra: {str: ...}]
-    CANCEL   [4]                                                  caller -> callee
-    ALIVE    [5]                                                  callee -> caller
+    REQUEST  [0, sid, endpoint: str, headers: {str: str}, payload]   caller -> callee
+    ITEM     [1, sid, payload]                                       callee -> caller
+    END      [2, sid]                                                callee -> caller
+    ERROR    [3, sid, remote_type: str, message: str, wire_type: str | None, extra: {str: ...}]
+    CANCEL   [4, sid]                                                caller -> callee
+    ALIVE    [5, sid]                                                callee -> caller
+    CREDIT   [6, sid, nbytes: int]                                   caller -> callee
 
-A connection carries one stream at a time: REQUEST, then ALIVE (the request was taken:
-its handler starts), ITEM* (with ALIVE heartbeats while the handler is quiet), then END
-or ERROR.
+A connection carries many streams at once, their frames interleaved. A stream is
+REQUEST, then ALIVE (the request was taken: its handler starts), ITEM* (with ALIVE
+heartbeats while the handler is quiet), then END or ERROR, after which its sid may be
+used again. Flow control is per stream: the callee stops asking the handler for items
+while the ITEM bytes it sent (headers included) and the caller has not yet credited
+reach a window; the caller sends CREDIT for the bytes its reader has taken.
+
 CANCEL may be sent by the caller at any point of a stream. The callee cancels the
 handler and, once it is gone, ends the stream with END (ERROR if the handler raised
-something else on its way out); a CANCEL that crossed the stream's END or ERROR is
-ignored. Either way exactly one terminal frame follows, so the caller reads up to it
-and reuses the connection (or closes it instead of waiting). Payloads are anything msgpack encodes; pydantic models are
-encoded as ``model_dump(mode="python")`` and arrive as plain dicts. No pickle.
+something else on its way out); a CANCEL (or CREDIT) that crossed the stream's END or
+ERROR is ignored. Either way exactly one terminal frame follows, so the caller can
+forget the sid. Payloads are anything msgpack encodes; pydantic models are encoded as
+``model_dump(mode="python")`` and arrive as plain dicts. No pickle.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import struct
+from collections.abc import Sequence
 from typing import Any
 
 import msgpack
@@ -44,6 +51,7 @@ END = 2
 ERROR = 3
 CANCEL = 4
 ALIVE = 5
+CREDIT = 6
 
 _LEN = struct.Struct(">I")
 HEADER_BYTES = _LEN.size
@@ -85,52 +93,60 @@ class FrameEncoder:
     def __init__(self) -> None:
         self._pack = msgpack.Packer(default=_default).pack
 
-    def request(self, endpoint: str, headers: dict[str, str], payload: Any) -> bytes:
-        return self._frame((REQUEST, endpoint, headers, payload))
+    def request_tail(self, endpoint: str, headers: dict[str, str], payload: Any) -> bytes:
+        """A REQUEST body without its kind and sid (``request`` completes it): encoded
+        when the call is made, before its connection and sid are known."""
+        pack = self._pack
+        tail: bytes = pack(endpoint) + pack(headers) + pack(payload)
+        return tail
 
-    def item(self, payload: Any) -> bytes:
-        return self._frame((ITEM, payload))
+    def request(self, sid: int, tail: bytes) -> bytes:
+        data: bytes = _REQUEST_HEAD + self._pack(sid) + tail
+        return _LEN.pack(len(data)) + data
 
-    def append_item(self, out: bytearray, payload: Any) -> None:
-        """Append an ITEM frame to ``out`` (the hot path: one copy less than ``item``)."""
-        data = self._pack((ITEM, payload))
+    def item(self, sid: int, payload: Any) -> bytes:
+        return self._frame((ITEM, sid, payload))
+
+    def append_item(self, out: bytearray, sid: int, payload: Any) -> int:
+        """Append an ITEM frame to ``out`` (the hot path: one copy less than ``item``);
+        returns its size, header included."""
+        data = self._pack((ITEM, sid, payload))
         out += _LEN.pack(len(data))
         out += data
+        return len(data) + HEADER_BYTES
 
-    def end(self) -> bytes:
-        return _END_FRAME
+    def end(self, sid: int) -> bytes:
+        return self._frame((END, sid))
 
-    def cancel(self) -> bytes:
-        return _CANCEL_FRAME
+    def cancel(self, sid: int) -> bytes:
+        return self._frame((CANCEL, sid))
 
-    def alive(self) -> bytes:
-        return _ALIVE_FRAME
+    def alive(self, sid: int) -> bytes:
+        return self._frame((ALIVE, sid))
 
-    def error(self, exc: BaseException) -> bytes:
-        return self._frame(error_body(exc))
+    def credit(self, sid: int, nbytes: int) -> bytes:
+        return self._frame((CREDIT, sid, nbytes))
 
-    def plane_error(self, kind: type[DynagraphError], message: str) -> bytes:
+    def error(self, sid: int, exc: BaseException) -> bytes:
+        return self._frame((ERROR, sid, *error_body(exc)))
+
+    def plane_error(self, sid: int, kind: type[DynagraphError], message: str) -> bytes:
         """An error frame sent by the plane itself, re-raised as ``kind`` by the caller."""
         name = kind.__name__
-        return self._frame((ERROR, name, message, name, {}))
+        return self._frame((ERROR, sid, name, message, name, {}))
 
     def _frame(self, body: tuple[Any, ...]) -> bytes:
         data: bytes = self._pack(body)
         return _LEN.pack(len(data)) + data
 
 
-def _static_frame(body: tuple[Any, ...]) -> bytes:
-    data: bytes = msgpack.packb(body)
-    return _LEN.pack(len(data)) + data
+# A 5-element array, then REQUEST (a positive fixint): how every REQUEST body begins.
+_REQUEST_HEAD = b"\x95" + msgpack.packb(REQUEST)
 
 
-_END_FRAME = _static_frame((END,))
-_CANCEL_FRAME = _static_frame((CANCEL,))
-_ALIVE_FRAME = _static_frame((ALIVE,))
-
-
-def error_body(exc: BaseException) -> tuple[Any, ...]:
-    """The ERROR frame body for a handler exception.
+def error_body(exc: BaseException) -> tuple[str, str, str | None, dict[str, Any]]:
+    """An ERROR frame's fields after its sid, for a handler exception:
+    ``(remote_type, message, wire_type, extra)``.
 
     ``wire_type`` is the nearest class in the exception's MRO that is listed in
     ``WIRE_ERRORS`` (so a local subclass of InvalidRequest still arrives as one).
@@ -143,15 +159,16 @@ def error_body(exc: BaseException) -> tuple[Any, ...]:
     extra: dict[str, Any] = {}
     if wire_type is not None:
         extra = {k: v for k, v in vars(exc).items() if isinstance(v, _SCALARS)}
-    return (ERROR, type(exc).__name__, str(exc), wire_type, extra)
+    return (type(exc).__name__, str(exc), wire_type, extra)
 
 
-def error_from_frame(frame: list[Any]) -> Exception:
-    """Rebuild the caller-side exception from an ERROR frame (see ``error_body``)."""
+def error_from_body(body: Sequence[Any]) -> Exception:
+    """Rebuild the caller-side exception from an ERROR frame's fields after its sid
+    (``error_body``'s tuple)."""
     try:
-        _, remote_type, message, wire_type, extra = frame
+        remote_type, message, wire_type, extra = body
     except ValueError:
-        return ProtocolError(f"malformed error frame: {frame!r}")
+        return ProtocolError(f"malformed error frame: {list(body)!r}")
     cls: type[DynagraphError] | None = None
     if isinstance(wire_type, str):
         cls = WIRE_ERRORS.get(wire_type) or _PLANE_ERRORS.get(wire_type)
@@ -185,6 +202,8 @@ class FrameDecoder:
             strict_map_key=False, max_buffer_size=max_frame_bytes + _DECODER_SLACK)
         self._avail = 0  # bytes fed and not consumed (headers included)
         self._size: int | None = None  # body length once its header has been read
+        self.last_size = 0
+        """The size of the frame ``next`` returned last, header included."""
 
     @property
     def buffered(self) -> int:
@@ -221,6 +240,7 @@ class FrameDecoder:
             raise ProtocolError(f"frame body is not one msgpack value of {size} bytes")
         self._avail -= size
         self._size = None
+        self.last_size = size + HEADER_BYTES
         if type(frame) is not list or not frame:
             raise ProtocolError(f"frame is not a non-empty array: {frame!r}")
         return frame

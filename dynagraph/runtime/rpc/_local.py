@@ -29,7 +29,7 @@ from dynagraph.aio import aclose
 from dynagraph.errors import InstanceUnavailable
 
 from ._context import RequestContext
-from ._framing import _default, error_body, error_from_frame
+from ._framing import _default, error_body, error_from_body
 
 if TYPE_CHECKING:
     from ._server import RpcServer
@@ -89,9 +89,9 @@ class LocalStream:
         if handler is None:
             from ._server import UnknownEndpoint
 
-            raise error_from_frame(list(error_body(UnknownEndpoint(
+            raise error_from_body(error_body(UnknownEndpoint(
                 f"no endpoint {self._endpoint!r} on {server.address} "
-                f"(serving: {', '.join(server.endpoints) or 'none'})"))))
+                f"(serving: {', '.join(server.endpoints) or 'none'})")))
         ctx = self._ctx = RequestContext.from_headers(self._headers, endpoint=self._endpoint,
                                                       peer="local")
         done = server.local_started()
@@ -107,7 +107,7 @@ class LocalStream:
             raise
         except Exception as exc:  # as the wire delivers it
             server.log_handler_error(ctx, exc)
-            raise error_from_frame(list(error_body(exc))) from exc
+            raise error_from_body(error_body(exc)) from exc
         finally:
             done()
 

@@ -1,12 +1,17 @@
 """Request-plane server: serves named streaming endpoints over TCP.
 
-One connection carries one stream at a time (like HTTP/1.1 keep-alive); a caller that
-wants concurrency opens more connections. Each stream runs its handler in its own task.
+A connection carries many streams at once (``_framing``): a caller process keeps one
+connection to each server. Each stream runs its handler in its own task.
 
-Backpressure: responses are buffered per connection and handed to the transport at the
-end of the current event-loop iteration (or every ``FLUSH_BYTES``). When the transport's
-buffer passes its high-water mark (the reader is slow), the stream's task waits before
-asking the handler for its next item, so a fast producer is held at its ``yield``.
+Output: the frames of all the streams of a connection are buffered together and handed
+to the transport once, at the end of the current event-loop iteration (or every
+``FLUSH_BYTES``): one socket write per engine step for all the streams a worker feeds,
+where a connection per stream took one write (and one wake-up of the reader) each.
+
+Backpressure, two levels. A stream whose caller has not credited ``STREAM_WINDOW``
+bytes of its items waits before asking its handler for the next item (a slow reader
+holds only its own stream). When the transport's buffer passes its high-water mark
+(the whole caller process is slow), every stream of the connection waits.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from dynagraph.errors import WIRE_ERRORS, InstanceUnavailable
 
 from . import _local
 from ._context import Handler, RequestContext
-from ._framing import CANCEL, REQUEST, FrameDecoder, FrameEncoder, ProtocolError
+from ._framing import CANCEL, CREDIT, REQUEST, FrameDecoder, FrameEncoder, ProtocolError
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +36,9 @@ tell a quiet handler from a frozen process (``RpcClient(idle_timeout=...)``)."""
 FLUSH_BYTES = 64 * 1024
 """Buffered response bytes that force a write before the loop iteration ends."""
 WRITE_HIGH_WATER = 256 * 1024
-"""Transport buffer size above which the handler is paused (TCP window full)."""
+"""Transport buffer size above which the handlers are paused (TCP window full)."""
+STREAM_WINDOW = 256 * 1024
+"""ITEM bytes a stream may have sent and not had credited before its handler is held."""
 
 
 class UnknownEndpoint(LookupError):
@@ -165,22 +172,19 @@ class RpcServer:
         if self._heartbeat is not None:
             self._heartbeat.cancel()
         for conn in list(self._connections):
-            if conn.task is None:
-                conn.close()
-            elif conn.endpoint in self._subscriptions:
-                conn.cancel_stream()
-        draining = sum(1 for c in self._connections
-                       if c.task is not None and c.endpoint not in self._subscriptions)
+            conn.stopping()
+        draining = sum(len(c.streams) for c in self._connections)
         if draining:
             log.info("draining %d request stream(s) (grace %.1fs)", draining, grace)
-        tasks = [c.task for c in self._connections if c.task is not None]
+        tasks = [st.task for c in self._connections for st in c.streams.values()
+                 if st.task is not None]
         if tasks:
             _, pending = await asyncio.wait(tasks, timeout=grace)
             if pending:
                 log.warning("cancelling %d streams still running after %.1fs grace",
                             len(pending), grace)
                 for conn in list(self._connections):
-                    conn.cancel_stream()
+                    conn.cancel_streams()
                 _, stuck = await asyncio.wait(pending, timeout=1.0)
                 if stuck:
                     log.error("%d handlers ignored cancellation; closing their connections",
@@ -198,8 +202,37 @@ class RpcServer:
         log.info("request plane on %s stopped", self._address)
 
 
+class _Stream:
+    """One stream of a connection: its handler's task and flow-control state."""
+
+    __slots__ = ("sid", "ctx", "task", "unacked", "credit", "answer_cancel", "quiet")
+
+    def __init__(self, sid: int, ctx: RequestContext) -> None:
+        self.sid = sid
+        self.ctx = ctx
+        self.task: asyncio.Task[None] | None = None
+        self.unacked = 0  # ITEM bytes sent and not credited
+        self.credit: asyncio.Future[None] | None = None  # set when credit comes back
+        self.answer_cancel = False  # the caller's CANCEL: end the stream with END
+        self.quiet = True  # nothing sent since the last heartbeat tick
+
+    def cancel(self, *, answer: bool) -> None:
+        """Cancel the handler, once (see ``_ServerConnection.cancel_stream``)."""
+        if self.task is not None and not self.ctx.cancelled:
+            self.ctx.cancelled = True
+            self.answer_cancel = answer
+            self.task.cancel()
+
+    def add_credit(self, nbytes: int) -> None:
+        self.unacked -= nbytes
+        if self.credit is not None and self.unacked < STREAM_WINDOW:
+            if not self.credit.done():
+                self.credit.set_result(None)
+            self.credit = None
+
+
 class _ServerConnection(asyncio.Protocol):
-    """One accepted connection: decodes requests, runs one stream at a time."""
+    """One accepted connection: decodes requests, runs their streams side by side."""
 
     def __init__(self, server: RpcServer, max_frame_bytes: int) -> None:
         self._server = server
@@ -212,10 +245,8 @@ class _ServerConnection(asyncio.Protocol):
         self._drain: asyncio.Future[None] | None = None
         self._paused = False
         self._closed = False
-        self.task: asyncio.Task[None] | None = None
-        self._ctx: RequestContext | None = None
-        self._answer_cancel = False  # the caller's CANCEL: end the stream with END
-        self._sent = False  # anything written since the last heartbeat tick
+        self._stopping = False
+        self.streams: dict[int, _Stream] = {}
 
     # -- asyncio.Protocol callbacks ---------------------------------------------------
 
@@ -227,27 +258,33 @@ class _ServerConnection(asyncio.Protocol):
         self._server._track(self, True)
 
     def data_received(self, data: bytes) -> None:
-        self._decoder.feed(data)
         try:
+            self._decoder.feed(data)
             while (frame := self._decoder.next()) is not None:
                 kind = frame[0]
-                if kind == REQUEST and self.task is None:
-                    self._start_stream(frame)
+                sid = frame[1] if len(frame) > 1 else None
+                if type(sid) is not int:
+                    raise ProtocolError(f"frame without a stream id: {frame!r}")
+                if kind == CREDIT and len(frame) == 3 and type(frame[2]) is int:
+                    if (stream := self.streams.get(sid)) is not None:
+                        stream.add_credit(frame[2])
+                elif kind == REQUEST:
+                    self._start_stream(sid, frame)
                 elif kind == CANCEL:
-                    # answered with END once the handler is gone (the caller then reuses
-                    # the connection); a CANCEL that crossed our END or ERROR is ignored
-                    self.cancel_stream(answer=True)
+                    # answered with END once the handler is gone (the caller then forgets
+                    # the sid); a CANCEL that crossed our END or ERROR is ignored
+                    if (stream := self.streams.get(sid)) is not None:
+                        stream.cancel(answer=True)
                 else:
-                    raise ProtocolError(f"unexpected frame kind {kind!r} "
-                                        f"(stream active: {self.task is not None})")
+                    raise ProtocolError(f"unexpected frame kind {kind!r} from a caller")
         except ProtocolError as exc:
             log.warning("dropping connection from %s: %s", self._peer, exc)
-            self.cancel_stream()
+            self.cancel_streams()
             self.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
-        self.cancel_stream()
+        self.cancel_streams()
         self._wake_drain()
         self._server._track(self, False)
 
@@ -260,32 +297,36 @@ class _ServerConnection(asyncio.Protocol):
 
     # -- streams ----------------------------------------------------------------------
 
-    def _start_stream(self, frame: list[Any]) -> None:
-        if len(frame) != 4 or not isinstance(frame[1], str) or not isinstance(frame[2], dict):
+    def _start_stream(self, sid: int, frame: list[Any]) -> None:
+        if len(frame) != 5 or not isinstance(frame[2], str) or not isinstance(frame[3], dict):
             raise ProtocolError("malformed request frame")
-        _, endpoint, headers, payload = frame
+        if sid in self.streams:
+            raise ProtocolError(f"request for stream {sid}, which is still open")
+        _, _, endpoint, headers, payload = frame
         if self._server.stopping:
             self._write(self._encoder.plane_error(
-                InstanceUnavailable, f"server {self._server.address} is stopping"))
-            self.close()
+                sid, InstanceUnavailable, f"server {self._server.address} is stopping"))
+            if not self.streams:
+                self.close()
             return
         ctx = RequestContext.from_headers(headers, endpoint=endpoint, peer=self._peer)
         handler = self._server.handler(endpoint)
         if handler is None:
-            self._write(self._encoder.error(UnknownEndpoint(
+            self._write(self._encoder.error(sid, UnknownEndpoint(
                 f"no endpoint {endpoint!r} on {self._server.address} "
                 f"(serving: {', '.join(self._server.endpoints) or 'none'})")))
-            self._flush()
             return
-        self._ctx = ctx
+        stream = self.streams[sid] = _Stream(sid, ctx)
         # On the wire before the handler runs: a caller whose connection dies before any
-        # frame arrived knows the request was never handled (safe to send elsewhere).
-        self._write(self._encoder.alive())
+        # frame of the stream arrived knows the request was never handled (safe to send
+        # elsewhere).
+        self._write(self._encoder.alive(sid))
         self._flush()
-        self.task = asyncio.get_running_loop().create_task(
-            self._run(handler, payload, ctx), name=f"rpc:{endpoint}:{ctx.request_id}")
+        stream.task = asyncio.get_running_loop().create_task(
+            self._run(stream, handler, payload), name=f"rpc:{endpoint}:{ctx.request_id}")
 
-    async def _run(self, handler: Handler, payload: Any, ctx: RequestContext) -> None:
+    async def _run(self, stream: _Stream, handler: Handler, payload: Any) -> None:
+        ctx, sid = stream.ctx, stream.sid
         try:
             agen = handler(payload, ctx)
             if not hasattr(agen, "__anext__"):
@@ -295,69 +336,84 @@ class _ServerConnection(asyncio.Protocol):
                                 f"generator function, it returned {type(agen).__name__}")
             async with contextlib.aclosing(agen):  # type: ignore[type-var]
                 out = self._out
+                append = self._encoder.append_item
                 async for item in agen:
                     if not self._flush_scheduled:
                         self._schedule_flush()
-                    self._encoder.append_item(out, item)
+                    stream.unacked += append(out, sid, item)
+                    stream.quiet = False
                     if len(out) >= FLUSH_BYTES:
                         self._flush()
                         await asyncio.sleep(0)  # a tight producer must not starve the loop
                     if self._paused:
                         await self._wait_drain()
+                    if stream.unacked >= STREAM_WINDOW:
+                        await self._wait_credit(stream)
         except asyncio.CancelledError:
             log.debug("request %s on %s cancelled", ctx.request_id, ctx.endpoint)
-            answer = self._answer_cancel
-            self._end_stream()
-            if answer:  # only to the caller's CANCEL: after a server stop, END would lie
-                self._write(self._encoder.end())
-                self._flush()
+            self._end_stream(stream)
+            if stream.answer_cancel:  # only to the caller's CANCEL: after a stop, END would lie
+                self._write(self._encoder.end(sid))
+            self._after_stream()
             raise
         except Exception as exc:  # the handler's error goes to the caller, typed
             self._server.log_handler_error(ctx, exc)
-            self._end_stream()
-            self._write(self._encoder.error(exc))
+            self._end_stream(stream)
+            self._write(self._encoder.error(sid, exc))
         else:
-            self._end_stream()
-            self._write(self._encoder.end())
-        self._flush()
-        if self._server.stopping:
+            self._end_stream(stream)
+            self._write(self._encoder.end(sid))
+        self._after_stream()
+
+    def _end_stream(self, stream: _Stream) -> None:
+        # Before the terminal frame is written: the caller may reuse the sid as soon as
+        # it reads END.
+        if self.streams.get(stream.sid) is stream:
+            del self.streams[stream.sid]
+
+    def _after_stream(self) -> None:
+        if self._stopping and not self.streams:
             self.close()
 
-    def _end_stream(self) -> None:
-        # Must happen before the terminal frame is written: the caller may send its
-        # next REQUEST on this connection as soon as it reads END.
-        self.task = None
-        self._ctx = None
-        self._answer_cancel = False
+    async def _wait_credit(self, stream: _Stream) -> None:
+        while stream.unacked >= STREAM_WINDOW and not self._closed:
+            stream.credit = asyncio.get_running_loop().create_future()
+            await stream.credit
 
-    @property
-    def endpoint(self) -> str | None:
-        """The endpoint of the stream running on this connection, if any."""
-        return self._ctx.endpoint if self._ctx is not None else None
+    def stopping(self) -> None:
+        """The server stops: close now if idle, else once the last stream has ended;
+        subscriptions are cancelled at once (they are not drained)."""
+        self._stopping = True
+        if not self.streams:
+            self.close()
+            return
+        for stream in list(self.streams.values()):
+            if stream.ctx.endpoint in self._server._subscriptions:
+                stream.cancel(answer=False)
 
-    def cancel_stream(self, *, answer: bool = False) -> None:
-        """Cancel the running handler, if any (caller cancelled, left, or server stops);
-        ``answer`` (the caller's CANCEL frame): send END once the handler is gone.
+    def cancel_streams(self) -> None:
+        """Cancel every running handler (the caller left, or the server stops).
 
-        Only once: a second cancel (the caller giving up on the answer and closing)
-        would interrupt the handler's own clean-up.
+        Only once per stream: a second cancel would interrupt the handler's own clean-up.
         """
-        if self.task is not None and self._ctx is not None and not self._ctx.cancelled:
-            self._ctx.cancelled = True
-            self._answer_cancel = answer
-            self.task.cancel()
+        for stream in list(self.streams.values()):
+            stream.cancel(answer=False)
 
     # -- output -----------------------------------------------------------------------
 
     def heartbeat(self) -> None:
-        """Called every ``heartbeat_s``: ALIVE if the stream was quiet since the last call.
+        """Called every ``heartbeat_s``: ALIVE on each stream that was quiet since the
+        last call.
 
-        Skipped while the caller is not reading (backpressure): the frames queued for it
-        already prove this process alive once it reads them.
+        Skipped for a stream whose caller is not reading (backpressure): the frames
+        queued for it already prove this process alive once it reads them.
         """
-        if self.task is not None and not self._sent and not self._paused and not self._closed:
-            self._write(self._encoder.alive())
-        self._sent = False
+        if self._closed:
+            return
+        for stream in self.streams.values():
+            if stream.quiet and not self._paused and stream.unacked < STREAM_WINDOW:
+                self._write(self._encoder.alive(stream.sid))
+            stream.quiet = True
 
     def _write(self, frame: bytes) -> None:
         self._out += frame
@@ -373,7 +429,6 @@ class _ServerConnection(asyncio.Protocol):
         if not self._out or self._closed or self._transport is None:
             self._out.clear()
             return
-        self._sent = True
         # bytes(): the transport may keep a reference to what it could not send yet,
         # and self._out is reused.
         self._transport.write(bytes(self._out))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dynagraph.errors import RequestShed
 from dynagraph.llm.http.errors import from_exception
-from dynagraph.runtime.rpc._framing import error_body, error_from_frame
+from dynagraph.runtime.rpc._framing import error_body, error_from_body
 
 
 def test_a_shed_request_is_429_with_retry_after_and_the_reason() -> None:
@@ -17,8 +17,8 @@ def test_a_shed_request_is_429_with_retry_after_and_the_reason() -> None:
 
 
 def test_it_crosses_the_request_plane_as_itself() -> None:
-    frame = list(error_body(RequestShed("shed", retry_after=5, code="slo_shed")))
-    back = error_from_frame(frame)
+    body = error_body(RequestShed("shed", retry_after=5, code="slo_shed"))
+    back = error_from_body(body)
     assert isinstance(back, RequestShed)
     assert (str(back), back.retry_after, back.code) == ("shed", 5, "slo_shed")
     assert from_exception(back).headers == {"retry-after": "5"}

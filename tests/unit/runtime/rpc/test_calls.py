@@ -221,10 +221,12 @@ async def test_items_that_have_arrived_can_be_taken_without_waiting(
     await until(take)  # the rest, as they arrive
     assert taken == [1, 2, 3, 4]
     # the END comes next: kept aside for __anext__
-    await until(lambda: stream.take_ready() is NOT_READY and stream._held is not None)
+    assert stream._inbox is not None
+    inbox = stream._inbox
+    await until(lambda: stream.take_ready() is NOT_READY and inbox.ended)
     with pytest.raises(StopAsyncIteration):
         await anext(stream)
-    assert client._idle.get(server.address) == [conn]
+    assert conn is not None and not conn.streams and client._open[server.address] is conn
 
 
 async def test_closing_a_stream_whose_end_was_taken_aside_pools_it(
@@ -235,7 +237,9 @@ async def test_closing_a_stream_whose_end_was_taken_aside_pools_it(
     assert isinstance(stream, RpcStream)
     assert await anext(stream) == 0
     await until(lambda: stream.take_ready() is not NOT_READY)  # 1; then END is kept aside
-    await until(lambda: stream.take_ready() is NOT_READY and stream._held is not None)
+    inbox = stream._inbox
+    assert inbox is not None
+    await until(lambda: stream.take_ready() is NOT_READY and inbox.ended)
     conn = stream._conn
-    await stream.aclose()
-    assert client._idle.get(server.address) == [conn]
+    await stream.aclose()  # no CANCEL: the stream had ended
+    assert conn is not None and not conn.streams and client._open[server.address] is conn

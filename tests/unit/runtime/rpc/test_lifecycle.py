@@ -13,8 +13,8 @@ import pytest
 
 from dynagraph.errors import InstanceUnavailable, StreamBroken
 from dynagraph.runtime.rpc import RequestContext, RpcClient, RpcServer
-from dynagraph.runtime.rpc._client import READ_HIGH_WATER
 from dynagraph.runtime.rpc._framing import FrameEncoder
+from dynagraph.runtime.rpc._server import STREAM_WINDOW
 from tests.support.poll import collect, until
 
 
@@ -103,11 +103,11 @@ async def test_a_cancelled_stream_gives_its_connection_back(
         peers.append(slow.ctx.peer)
         await stream.aclose()
         await assert_cancelled_promptly(slow)
-        await until(lambda: bool(client._idle.get(srv.address)), within=1.0)
+        await until(lambda: not client._open[srv.address].streams, within=1.0)  # END came
     assert len(set(peers)) == 1
 
 
-async def test_a_handler_that_outlives_the_cancel_drain_loses_its_connection(
+async def test_a_handler_that_outlives_the_cancel_drain_is_forgotten(
         client: RpcClient, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("dynagraph.runtime.rpc._client.CANCEL_DRAIN_S", 0.2)
     release = asyncio.Event()
@@ -121,9 +121,11 @@ async def test_a_handler_that_outlives_the_cancel_drain_loses_its_connection(
     async with serving("stubborn", stubborn) as srv:
         stream = client.call(srv.address, "stubborn", None)
         assert await anext(stream) == "first"
+        conn = client._open[srv.address]
         await stream.aclose()
-        await until(lambda: not client._connections, within=2.0)  # closed, not pooled
-        assert not client._idle.get(srv.address)
+        assert conn.streams  # waiting for the answer to CANCEL
+        await until(lambda: not conn.streams, within=2.0)  # given up on it
+        assert client._open[srv.address] is conn and not conn.closed  # others use it on
         release.set()
 
 
@@ -243,10 +245,10 @@ async def test_slow_consumer_holds_a_fast_producer(client: RpcClient) -> None:
             while produced != last:
                 last = produced
                 await asyncio.sleep(0.1)
-        # Bounded by socket buffers + the two 256 KiB user-space buffers, not by time.
-        assert produced * 100 < 32 << 20
-        conn = stream._conn
-        assert conn is not None and conn._decoder.buffered <= READ_HIGH_WATER + (256 << 10)
+        # Bounded by the stream's window, not by time.
+        assert produced * 100 < STREAM_WINDOW + (64 << 10)
+        assert stream._inbox is not None
+        assert sum(size for _, size in stream._inbox.frames) <= STREAM_WINDOW
         for _ in range(produced // 2):
             await anext(stream)
         await until(lambda: produced > last)  # reading resumes the producer
@@ -342,7 +344,7 @@ class FakeServer:
 
 def frames(*items: Any) -> Iterator[bytes]:
     enc = FrameEncoder()
-    return (enc.item(i) for i in items)
+    return (enc.item(1, i) for i in items)  # 1: the first stream of a connection
 
 
 async def test_connection_lost_mid_stream_is_stream_broken(client: RpcClient) -> None:
@@ -364,7 +366,7 @@ async def test_connection_lost_before_the_request_was_taken_is_unavailable(
 
 async def test_connection_lost_after_the_request_was_taken_is_stream_broken(
         client: RpcClient) -> None:
-    async with FakeServer(FrameEncoder().alive()) as address:
+    async with FakeServer(FrameEncoder().alive(1)) as address:
         with pytest.raises(StreamBroken):
             await collect(client.call(address, "x", None))
 
