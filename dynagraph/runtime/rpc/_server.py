@@ -173,7 +173,8 @@ class RpcServer:
             self._heartbeat.cancel()
         for conn in list(self._connections):
             conn.stopping()
-        draining = sum(len(c.streams) for c in self._connections)
+        draining = sum(1 for c in self._connections for st in c.streams.values()
+                       if st.ctx.endpoint not in self._subscriptions)
         if draining:
             log.info("draining %d request stream(s) (grace %.1fs)", draining, grace)
         tasks = [st.task for c in self._connections for st in c.streams.values()
@@ -217,7 +218,8 @@ class _Stream:
         self.quiet = True  # nothing sent since the last heartbeat tick
 
     def cancel(self, *, answer: bool) -> None:
-        """Cancel the handler, once (see ``_ServerConnection.cancel_stream``)."""
+        """Cancel the handler (the caller's CANCEL if ``answer``: END follows once it is
+        gone). Only once: a second cancel would interrupt the handler's own clean-up."""
         if self.task is not None and not self.ctx.cancelled:
             self.ctx.cancelled = True
             self.answer_cancel = answer
