@@ -6,9 +6,10 @@ import asyncio
 import contextlib
 import struct
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
+import msgpack
 import pytest
 
 from dynagraph.errors import InstanceUnavailable, StreamBroken
@@ -319,17 +320,22 @@ async def _count(payload: Any, ctx: RequestContext) -> AsyncIterator[int]:
 
 
 class FakeServer:
-    """A raw TCP server that answers any request with ``reply`` bytes, then closes."""
+    """A raw TCP server that answers the first request with ``reply`` (bytes, or a function
+    of the request's stream id), then closes; ``stay_open``: waits for the client to."""
 
-    def __init__(self, reply: bytes) -> None:
+    def __init__(self, reply: bytes | Callable[[int], bytes], *, stay_open: bool = False
+                 ) -> None:
         self.reply = reply
+        self.stay_open = stay_open
         self.server: asyncio.Server | None = None
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         (size,) = struct.unpack(">I", await reader.readexactly(4))
-        await reader.readexactly(size)
-        writer.write(self.reply)
+        request = msgpack.unpackb(await reader.readexactly(size))
+        writer.write(self.reply(request[1]) if callable(self.reply) else self.reply)
         await writer.drain()
+        if self.stay_open:
+            await reader.read()
         writer.close()
 
     async def __aenter__(self) -> str:

@@ -17,7 +17,7 @@ from dynagraph.runtime.rpc._framing import ALIVE, END, ITEM, FrameDecoder, Frame
 from dynagraph.runtime.rpc._server import STREAM_WINDOW
 from tests.support.poll import collect, until
 
-from .test_lifecycle import Slow, serving
+from .test_lifecycle import FakeServer, Slow, serving
 
 
 async def test_concurrent_streams_share_one_connection(
@@ -160,31 +160,6 @@ async def test_idle_timeout_retires_the_connection() -> None:
             await impatient.close()
 
 
-class RawServer:
-    """A TCP server that answers the first request with ``reply(sid)`` and stays open."""
-
-    def __init__(self, reply: Any) -> None:
-        self.reply = reply
-        self.server: asyncio.Server | None = None
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        (size,) = struct.unpack(">I", await reader.readexactly(4))
-        sid = msgpack.unpackb(await reader.readexactly(size))[1]
-        writer.write(self.reply(sid))
-        await writer.drain()
-        await reader.read()  # until the client closes
-        writer.close()
-
-    async def __aenter__(self) -> str:
-        self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
-        host, port = self.server.sockets[0].getsockname()[:2]
-        return f"{host}:{port}"
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self.server is not None
-        self.server.close()
-
-
 def raw_frame(body: Any) -> bytes:
     data: bytes = msgpack.packb(body)
     return struct.pack(">I", len(data)) + data
@@ -193,22 +168,24 @@ def raw_frame(body: Any) -> bytes:
 @pytest.mark.parametrize("garbage", [[ITEM], [ITEM, [1], "x"], "not an array"])
 async def test_a_frame_without_a_stream_id_ends_the_connection(
         client: RpcClient, garbage: Any) -> None:
-    async with RawServer(lambda sid: raw_frame([ALIVE, sid]) + raw_frame(garbage)) as address:
+    async with FakeServer(lambda sid: raw_frame([ALIVE, sid]) + raw_frame(garbage),
+                          stay_open=True) as address:
         with pytest.raises(ProtocolError):
             await collect(client.call(address, "x", None))
         assert not client._connections
 
 
 async def test_an_unexpected_frame_kind_ends_the_connection(client: RpcClient) -> None:
-    async with RawServer(lambda sid: raw_frame([ALIVE, sid]) + raw_frame([9, sid])) as address:
+    async with FakeServer(lambda sid: raw_frame([ALIVE, sid]) + raw_frame([9, sid]),
+                          stay_open=True) as address:
         with pytest.raises(ProtocolError, match="unexpected frame kind 9"):
             await collect(client.call(address, "x", None))
 
 
 async def test_frames_of_streams_it_does_not_know_are_dropped(client: RpcClient) -> None:
     enc = FrameEncoder()
-    async with RawServer(lambda sid: enc.item(sid + 1, "stray") + enc.item(sid, "mine")
-                         + enc.end(sid)) as address:
+    async with FakeServer(lambda sid: enc.item(sid + 1, "stray") + enc.item(sid, "mine")
+                          + enc.end(sid), stay_open=True) as address:
         assert await collect(client.call(address, "x", None)) == ["mine"]
 
 
