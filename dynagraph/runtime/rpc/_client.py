@@ -122,7 +122,7 @@ class RpcClient:
                 self._connect(address, host.strip("[]"), int(port)))
             if not fresh:
                 self._connecting[address] = task
-                task.add_done_callback(lambda t: self._connected(address, t))
+            task.add_done_callback(lambda t: self._connected(address, t))
         return await asyncio.shield(task), True
 
     def _connected(self, address: str, task: asyncio.Task[_ClientConnection]) -> None:
