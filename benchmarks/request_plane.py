@@ -144,16 +144,11 @@ class _Steps:
 
     def __init__(self) -> None:
         self._next: asyncio.Future[None] | None = None
-        self.waiting = 0
 
     async def next(self) -> None:
         if self._next is None:
             self._next = asyncio.get_running_loop().create_future()
-        self.waiting += 1
-        try:
-            await self._next
-        finally:
-            self.waiting -= 1
+        await self._next
 
     async def run(self) -> None:
         while True:

@@ -30,13 +30,13 @@ from ._framing import (
     END,
     ERROR,
     ITEM,
+    STREAM_WINDOW,
     FrameDecoder,
     FrameEncoder,
     ProtocolError,
     error_from_body,
 )
 from ._local import LocalStream, local_server
-from ._server import STREAM_WINDOW
 
 log = logging.getLogger(__name__)
 

@@ -53,6 +53,10 @@ CANCEL = 4
 ALIVE = 5
 CREDIT = 6
 
+STREAM_WINDOW = 256 * 1024
+"""ITEM bytes a callee may have sent on a stream, not yet credited by the caller, before
+it holds the stream's handler (both sides size their buffers by it)."""
+
 _LEN = struct.Struct(">I")
 HEADER_BYTES = _LEN.size
 

@@ -26,7 +26,15 @@ from dynagraph.errors import WIRE_ERRORS, InstanceUnavailable
 
 from . import _local
 from ._context import Handler, RequestContext
-from ._framing import CANCEL, CREDIT, REQUEST, FrameDecoder, FrameEncoder, ProtocolError
+from ._framing import (
+    CANCEL,
+    CREDIT,
+    REQUEST,
+    STREAM_WINDOW,
+    FrameDecoder,
+    FrameEncoder,
+    ProtocolError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +45,6 @@ FLUSH_BYTES = 64 * 1024
 """Buffered response bytes that force a write before the loop iteration ends."""
 WRITE_HIGH_WATER = 256 * 1024
 """Transport buffer size above which the handlers are paused (TCP window full)."""
-STREAM_WINDOW = 256 * 1024
-"""ITEM bytes a stream may have sent and not had credited before its handler is held."""
 
 
 class UnknownEndpoint(LookupError):
