@@ -57,16 +57,18 @@ from dynagraph.runtime.event_loop import EVENT_LOOP_ENV  # noqa: E402
 SEPARATE = "--Processor.ServiceArgs.embed-in=null"
 NICE0 = "--VllmWorker.engine-nice=0"
 ONE_PROCESS = "--VllmWorker.ServiceArgs.embed-in=Frontend"
+SPIN1 = "--VllmWorker.engine-core-spin-s=1"
 SYSTEMS = {"ours": (), "ours-separate": (SEPARATE,), "ours-nice0": (NICE0,),
            "ours-separate-nice0": (SEPARATE, NICE0), "ours-1proc": (ONE_PROCESS, NICE0),
            "ours-1proc-nice19": (ONE_PROCESS,), "ours-asyncio": (),
-           "ours-1proc-asyncio": (ONE_PROCESS, NICE0)}
+           "ours-1proc-asyncio": (ONE_PROCESS, NICE0), "ours-spin1": (SPIN1,)}
 """Our graph's variants: overrides of ``benchmarks/agg_vs_vllm.py``'s agg graph (as
 shipped: the Processor inside the Frontend's process; ``-separate``: in a process of its
 own; ``-nice0``: the engine at the niceness of everything else, as vLLM's server runs it,
 instead of 19; ``-1proc``: the VllmWorker in the Frontend's process too, engine at
 niceness 0: vLLM's own layout, one API process and the engine core; ``-asyncio``: the
-component processes on asyncio's event loop instead of uvloop)."""
+component processes on asyncio's event loop instead of uvloop; ``-spin1``: the engine core
+busy-waits 1 s for its model runner, vLLM's own, instead of sleeping at once)."""
 SYSTEM_ENV = {"ours-asyncio": {EVENT_LOOP_ENV: "asyncio"},
               "ours-1proc-asyncio": {EVENT_LOOP_ENV: "asyncio"}}
 
@@ -186,7 +188,8 @@ def markdown(result: dict[str, Any]) -> str:
         "whole run (engine settings of `benchmarks/agg_vs_vllm.py`; `ours`: configs/agg.yaml, "
         "the Processor inside the Frontend's process; `-separate`: in its own process; "
         "`-nice0`: engine-nice 0 instead of 19; `-1proc`: the VllmWorker in the Frontend's "
-        "process too, engine-nice 0; `-asyncio`: asyncio's event loop instead of uvloop). "
+        "process too, engine-nice 0; `-asyncio`: asyncio's event loop instead of uvloop; "
+        "`-spin1`: engine-core-spin-s 1 instead of 0). "
         "Medians over rounds:", "",
         "| concurrency | system | output tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms "
         "| ITL p50 ms |",

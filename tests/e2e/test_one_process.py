@@ -28,7 +28,8 @@ def one_process(model_dir: Path, etcd_url: str, nats_url: str) -> Iterator[Serve
     with served(["graphs.agg:Frontend", "-f", "configs/agg.yaml", "--Frontend.port=0",
                  f"--Common.model={model_dir}", f"--Common.max-model-len={MAX_MODEL_LEN}",
                  "--VllmWorker.ServiceArgs.embed-in=Frontend", "--VllmWorker.engine-nice=0"],
-                graph_env(etcd_url, nats_url), ready_timeout=300) as sp:
+                {**graph_env(etcd_url, nats_url), "VLLM_LOGGING_LEVEL": "INFO"},
+                ready_timeout=300) as sp:
         yield sp
 
 
@@ -37,6 +38,12 @@ def test_the_whole_graph_runs_in_one_process(one_process: ServeProcess) -> None:
     assert "1 process (Frontend with Processor, VllmWorker inside)" in out
     pids = dict(re.findall(r"^\s+(\w+)\[0\] pid=(\d+)", out, re.MULTILINE))
     assert pids["Frontend"] == pids["Processor"] == pids["VllmWorker"], pids
+
+
+def test_the_engine_core_sleeps_while_its_model_runner_works(one_process: ServeProcess) -> None:
+    # engine-core-spin-s 0 (the default) reached the engine core's process through the
+    # VllmWorker's environment and vLLM's plugin hook (dynagraph.llm.engines.engine_spin).
+    assert "engine core: shared-memory readers busy-wait 0.000 s" in one_process.output()
 
 
 def complete(url: str, prompt: str) -> str:

@@ -36,6 +36,7 @@ from pydantic import (
 
 from dynagraph.errors import ConfigError, EngineError, InvalidRequest, PromptTooLong
 from dynagraph.llm.engines.base import EngineLoad, EngineOutput, FinishReason, SamplingSpec
+from dynagraph.llm.engines.engine_spin import SPIN_ENV
 from dynagraph.llm.engines.nice import renice
 from dynagraph.llm.engines.reaper import Reaper, vllm_descendants
 from dynagraph.llm.engines.vllm_stats import (
@@ -183,6 +184,16 @@ class VllmEngineArgs(BaseModel):
     (``GOMP_SPINCOUNT``, in spins of libgomp's wait loop, the OpenMP vLLM preloads on the
     CPU); ``None`` keeps OpenMP's own (~9 ms of a core after every region here) or the
     operator's ``GOMP_SPINCOUNT``. Short by default: see ``OMP_SPIN_COUNT``."""
+    engine_core_spin_s: float | None = Field(default=0.0, ge=0)
+    """How long vLLM's engine core busy-waits (``sched_yield``) for its model runner's
+    answer after the last one; past it, it looks every 0.1 ms
+    (``dynagraph.llm.engines.engine_spin``). ``None`` keeps vLLM's 1 s (or the operator's
+    ``DYNAGRAPH_ENGINE_CORE_SPIN_S``), under which the engine core spins through every
+    model step. 0 by default: under ``vllm bench serve`` on 2 cores the agg graph made
+    more output tokens per second at 0 than at 1 in 3 of 3 rounds at 16 streams and 2 of
+    3 at 64 (``benchmarks/results/vllm_bench_serve_nap.md``, 2026-12-06), the engine's CPU
+    per output token 551 / 285 us against 856 / 422. No effect on an engine whose model
+    runs in its engine-core process."""
     warmup: bool = True
     """Serve one short request before the worker registers (``VllmEngine._warm_up``)."""
     log_stats: bool = False
@@ -321,6 +332,8 @@ def _apply_env(args: VllmEngineArgs) -> None:
     os.environ[HUGE_PAGES_ENV] = "1" if args.huge_pages else "0"
     if args.omp_spin_count is not None:
         os.environ[OMP_SPIN_ENV] = str(args.omp_spin_count)
+    if args.engine_core_spin_s is not None:
+        os.environ[SPIN_ENV] = repr(args.engine_core_spin_s)
     if args.cpu_threads_bind is not None:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = args.cpu_threads_bind
     if args.cpu_reserved_cores is not None:
