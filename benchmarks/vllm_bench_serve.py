@@ -68,7 +68,7 @@ own; ``-nice0``: the engine at the niceness of everything else, as vLLM's server
 instead of 19; ``-1proc``: the VllmWorker in the Frontend's process too, engine at
 niceness 0: vLLM's own layout, one API process and the engine core; ``-asyncio``: the
 component processes on asyncio's event loop instead of uvloop; ``-spin1``: the engine core
-busy-waits 1 s for its model runner, vLLM's own, instead of sleeping at once)."""
+busy-waits 1 s for its model runner, vLLM's own, instead of looking every 0.1 ms)."""
 SYSTEM_ENV = {"ours-asyncio": {EVENT_LOOP_ENV: "asyncio"},
               "ours-1proc-asyncio": {EVENT_LOOP_ENV: "asyncio"}}
 

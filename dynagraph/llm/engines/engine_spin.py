@@ -5,9 +5,10 @@ ring (``vllm.distributed.device_communicators.shm_broadcast``) and reads the ans
 from another. A reader that read something in the last ``busy_loop_s`` (1 s in vLLM 0.32)
 polls the ring with ``sched_yield``, so under load the engine core spins through every
 model step: py-spy of it at 64 streams (2026-12-06, 2-core VM), 70% of its samples waited
-on the model runner, 52% in ``sched_yield``; its CPU time was ~7 s of a 10 s run. That
-spinner takes a core the Frontend and VllmWorker could use, and keeps it looking busy,
-so their wake-ups land on the model runner's core as often as on the spinner's.
+on the model runner, 52% in ``sched_yield``; its CPU time was ~7 s of a 10 s run. On 2
+cores that spinner competes with the Frontend and VllmWorker, and (our reading, not
+measured) keeps a core looking busy, so their wake-ups land on the model runner's core
+as often as on the spinner's.
 
 This module is a vLLM general plugin (``pyproject.toml``), run in every process vLLM
 starts. In the engine core (``multiprocessing``'s process name ``EngineCore...``), and

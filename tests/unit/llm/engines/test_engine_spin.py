@@ -62,7 +62,7 @@ def test_readers_busy_wait_as_told_then_nap_instead_of_waiting_for_a_notificatio
 
 def test_the_config_reaches_the_engines_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     """Set for the engine core vLLM spawns; ``null`` leaves the operator's value."""
-    monkeypatch.setenv(SPIN_ENV, "0.5")
+    monkeypatch.setenv(SPIN_ENV, "0.5")  # and restored after the test
     _apply_env(VllmEngineArgs.model_validate({"model": "m", "engine-core-spin-s": None}))
     assert os.environ[SPIN_ENV] == "0.5"
     _apply_env(VllmEngineArgs(model="m"))

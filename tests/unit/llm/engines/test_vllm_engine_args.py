@@ -14,6 +14,7 @@ from pydantic import ValidationError
 
 from dynagraph.errors import ConfigError, EngineError
 from dynagraph.llm.engines import SamplingSpec
+from dynagraph.llm.engines.engine_spin import SPIN_ENV
 from dynagraph.llm.engines.vllm_engine import (
     DYNAMO_DISABLE_ENV,
     HUGE_PAGES_ENV,
@@ -27,6 +28,13 @@ from dynagraph.llm.engines.vllm_engine import (
     kv_transfer_config,
 )
 from dynagraph.llm.engines.vllm_stats import LoadTracker
+
+
+@pytest.fixture(autouse=True)
+def _engine_core_spin_env_undone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``_apply_env`` sets the engine core's busy-wait for the processes vLLM spawns; keep
+    it out of this test process's later engines and vLLM servers."""
+    monkeypatch.delenv(SPIN_ENV, raising=False)
 
 
 def test_module_import_does_not_import_vllm() -> None:
