@@ -190,10 +190,10 @@ class VllmEngineArgs(BaseModel):
     (``dynagraph.llm.engines.engine_spin``). ``None`` keeps vLLM's 1 s (or the operator's
     ``DYNAGRAPH_ENGINE_CORE_SPIN_S``), under which the engine core spins through every
     model step. 0 by default: under ``vllm bench serve`` on 2 cores the agg graph made
-    more output tokens per second at 0 than at 1 in 3 of 3 rounds at 16 streams and 2 of
-    3 at 64 (``benchmarks/results/vllm_bench_serve_nap.md``, 2026-12-06), the engine's CPU
-    per output token 551 / 285 us against 856 / 422. No effect on an engine whose model
-    runs in its engine-core process."""
+    more output tokens per second at 0 than at 1 in all 6 rounds at 16 and 64 streams
+    (``benchmarks/results/vllm_bench_serve_nap_clean.md``, 2026-12-06; 5 of 6 in
+    ``_nap.md``), the engine's CPU per output token 421 / 209 us against 713 / 298. No
+    effect on an engine whose model runs in its engine-core process."""
     warmup: bool = True
     """Serve one short request before the worker registers (``VllmEngine._warm_up``)."""
     log_stats: bool = False
