@@ -27,6 +27,7 @@ import logging
 import multiprocessing
 import os
 import time
+from collections.abc import Mapping
 from typing import Any
 
 # Under "vllm.": the engine core configures only vLLM's loggers, so its output shows.
@@ -41,7 +42,7 @@ NAP_S = 0.0001
 _PATCHED = "_dynagraph_spin_s"
 
 
-def engine_core_spin_s(env: dict[str, str] | os._Environ[str] = os.environ,
+def engine_core_spin_s(env: Mapping[str, str] = os.environ,
                        process_name: str | None = None) -> float | None:
     """The busy-wait to apply in this process, or ``None`` to leave vLLM's."""
     raw = env.get(SPIN_ENV)
