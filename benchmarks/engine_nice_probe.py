@@ -44,13 +44,14 @@ def prompt(i: int) -> str:
     return f"Stream {i}: " + " ".join(WORDS[(i * 5 + j) % len(WORDS)] for j in range(120))
 
 
-def one_graph(nice: int, requests: int, tokens: int) -> dict[str, Any]:
+def one_graph(nice: int, requests: int, tokens: int, engine_cores: str = "keep-off"
+              ) -> dict[str, Any]:
     model_dir = ensure_model(REPO / "models" / "tiny-llama")
     port = free_port()
     with local_infra(etcd=True, nats=True) as infra:
         cmd = serve_command("agg", "agg", port, model_dir, '--VllmWorker.cpu-threads-bind="0"',
                             "--VllmWorker.cpu-reserved-cores=0",
-                            f"--VllmWorker.engine-nice={nice}")
+                            f"--VllmWorker.engine-nice={nice}", f"--engine-cores={engine_cores}")
         server = ManagedProcess(cmd, infra_env(infra), name=f"agg engine-nice {nice}")
         seconds: list[float] = []
         errors: list[str] = []
@@ -82,15 +83,22 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=2, help="graphs per setting")
     ap.add_argument("--requests", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=1000)
+    ap.add_argument("--engine-cores", choices=["keep-off", "share"], default="keep-off",
+                    help="dynamo serve's: keep-off (the default) keeps the graph off the "
+                    "engine's core and leaves the engine at niceness 0 there")
     ap.add_argument("--name", default="engine_nice_probe")
     args = ap.parse_args()
-    runs = [one_graph(int(n), args.requests, args.tokens)
+    runs = [one_graph(int(n), args.requests, args.tokens, args.engine_cores)
             for n in args.settings.split(",") for _ in range(args.runs)]
     rows = [f"| {r['engine_nice']} | {r['leases_lost']} ({', '.join(r['lost_by']) or '-'}) | "
             f"{len(r['errors'])} | {' / '.join(f'{s:.1f}' for s in r['request_seconds'])} |"
             for r in runs]
     text = (f"# Engine niceness vs the control plane\n\n`python benchmarks/engine_nice_probe.py "
-            f"--settings {args.settings} --runs {args.runs}`: agg graph, engine on core 0, "
+            f"--settings {args.settings} --runs {args.runs} --engine-cores {args.engine_cores}`: "
+            "agg graph, engine on core 0 ("
+            + ("the graph's processes kept off it, the engine at niceness 0 while they are"
+               if args.engine_cores == "keep-off" else "shared with the graph's processes")
+            + "), "
             f"{args.requests} x {args.tokens}-token completions with logprobs 5, one at a "
             "time; leases the graph's processes found expired, failed requests, seconds per "
             "request. Provisional (shared 2-core VM).\n\n"

@@ -58,17 +58,21 @@ SEPARATE = "--Processor.ServiceArgs.embed-in=null"
 NICE0 = "--VllmWorker.engine-nice=0"
 ONE_PROCESS = "--VllmWorker.ServiceArgs.embed-in=Frontend"
 SPIN1 = "--VllmWorker.engine-core-spin-s=1"
+SHARE = "--engine-cores=share"
 SYSTEMS = {"ours": (), "ours-separate": (SEPARATE,), "ours-nice0": (NICE0,),
            "ours-separate-nice0": (SEPARATE, NICE0), "ours-1proc": (ONE_PROCESS, NICE0),
            "ours-1proc-nice19": (ONE_PROCESS,), "ours-asyncio": (),
-           "ours-1proc-asyncio": (ONE_PROCESS, NICE0), "ours-spin1": (SPIN1,)}
+           "ours-1proc-asyncio": (ONE_PROCESS, NICE0), "ours-spin1": (SPIN1,),
+           "ours-share": (SHARE,), "ours-share-nice0": (SHARE, NICE0)}
 """Our graph's variants: overrides of ``benchmarks/agg_vs_vllm.py``'s agg graph (as
 shipped: the Processor inside the Frontend's process; ``-separate``: in a process of its
 own; ``-nice0``: the engine at the niceness of everything else, as vLLM's server runs it,
 instead of 19; ``-1proc``: the VllmWorker in the Frontend's process too, engine at
 niceness 0: vLLM's own layout, one API process and the engine core; ``-asyncio``: the
 component processes on asyncio's event loop instead of uvloop; ``-spin1``: the engine core
-busy-waits 1 s for its model runner, vLLM's own, instead of looking every 0.1 ms)."""
+busy-waits 1 s for its model runner, vLLM's own, instead of looking every 0.1 ms;
+``-share``: the graph's processes share the model runner's core, as before
+``--engine-cores keep-off``)."""
 SYSTEM_ENV = {"ours-asyncio": {EVENT_LOOP_ENV: "asyncio"},
               "ours-1proc-asyncio": {EVENT_LOOP_ENV: "asyncio"}}
 
@@ -93,7 +97,8 @@ def bench_command(url: str, model: Path, concurrency: int, seed: int, out: Path,
            str(args.num_prompts or 4 * concurrency), "--max-concurrency", str(concurrency),
            "--request-rate", "inf", "--ignore-eos", "--seed", str(seed), "--disable-tqdm",
            "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
-           "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name]
+           "--save-result", "--save-detailed",  # per-request errors, should any fail
+           "--result-dir", str(out.parent), "--result-filename", out.name]
     if args.dataset == "random":
         cmd += ["--dataset-name", "random", "--random-input-len", str(args.input_len),
                 "--random-output-len", str(args.output_len)]
@@ -119,8 +124,10 @@ def run_bench(url: str, model: Path, concurrency: int, seed: int,
                                f"{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
         result: dict[str, Any] = json.loads(out.read_text())
     if result.get("completed") != result.get("num_prompts", args.num_prompts or 4 * concurrency):
+        errors = sorted({e for e in result.get("errors", []) if e})
         raise RuntimeError(f"{url}: only {result.get('completed')} requests completed "
-                           f"({result.get('failed', '?')} failed)")
+                           f"({result.get('failed', '?')} failed): {errors[:3]}\n"
+                           f"{proc.stdout[-1500:]}")
     return result
 
 
@@ -189,7 +196,8 @@ def markdown(result: dict[str, Any]) -> str:
         "the Processor inside the Frontend's process; `-separate`: in its own process; "
         "`-nice0`: engine-nice 0 instead of 19; `-1proc`: the VllmWorker in the Frontend's "
         "process too, engine-nice 0; `-asyncio`: asyncio's event loop instead of uvloop; "
-        "`-spin1`: engine-core-spin-s 1 instead of 0). "
+        "`-spin1`: engine-core-spin-s 1 instead of 0; `-share`: `--engine-cores share`, "
+        "our processes on the model runner's core too). "
         "Medians over rounds:", "",
         "| concurrency | system | output tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms "
         "| ITL p50 ms |",

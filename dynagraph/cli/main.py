@@ -60,6 +60,10 @@ def _parser() -> argparse.ArgumentParser:
                    default=os.environ.get("DYN_LOG_LEVEL", "info").lower(),
                    help="our components' level; below debug, vLLM's start-up steps are shown "
                    "as progress lines and its other INFO lines are hidden")
+    s.add_argument("--engine-cores", choices=["keep-off", "share"], default="keep-off",
+                   help="keep-off: the graph's processes keep off the cores vLLM bound its "
+                   "model runners to (the rest get the other cores); share: the kernel "
+                   "places them")
     deploy.add_parser(sub)
     status.add_parser(sub)
     settings.add_parser(sub)
@@ -138,7 +142,8 @@ def serve_command(args: argparse.Namespace, overrides: list[str]) -> int:
     opts = ServeOptions(ready_timeout=args.ready_timeout, stop_timeout=args.stop_timeout,
                         restart=args.restart, max_restarts=args.max_restarts,
                         log_level=args.log_level, drain_grace=args.drain_grace,
-                        host=args.host, service_names=tuple(args.service_name))
+                        host=args.host, service_names=tuple(args.service_name),
+                        engine_cores=args.engine_cores)
     try:
         return asyncio.run(Supervisor(args.target, graph, configs, opts).run())
     except InfraError as exc:

@@ -29,6 +29,9 @@ is stopped:
   discovery (no new requests), drains its requests in flight for up to ``--drain-grace``
   seconds (every child gets ``DYNAMO_DRAIN_GRACE_S``) and exits; it is killed if it has not
   after that plus ``--stop-timeout``. Its exit is expected: never restarted.
+- **Cores**: once ready, and every 2 s after, the graph's own processes are bound to the
+  cores vLLM's model runners are not bound to (``--engine-cores keep-off``, the default;
+  ``dynagraph.cli.core_keeper``); ``--engine-cores share`` leaves them to the kernel.
 """
 
 from __future__ import annotations
@@ -51,9 +54,12 @@ from dynagraph.aio import cancel_and_wait
 from dynagraph.cli import serve_part, serve_state
 from dynagraph.cli._banner import component_lines
 from dynagraph.cli._logging import child_log_env
+from dynagraph.cli.core_keeper import INTERVAL_S as CORE_KEEPER_INTERVAL_S
+from dynagraph.cli.core_keeper import CoreKeeper
 from dynagraph.cli.scaling import Child, RuntimeScaling, sweep_group
 from dynagraph.cli.startup_output import StartupOutput
 from dynagraph.errors import GraphError
+from dynagraph.llm.engines.nice import ENGINE_CORES_ENV
 from dynagraph.llm.tenants.identity import SECRET_ENV, new_secret
 from dynagraph.observability.graph_targets import GraphTargets
 from dynagraph.runtime import progress
@@ -83,6 +89,9 @@ class ServeOptions:
     """This host's address (``--host``): the children bind and publish it."""
     service_names: tuple[str, ...] = ()
     """Start only these components (``--service-name``); empty: the whole graph."""
+    engine_cores: str = "keep-off"
+    """``keep-off``: the graph's processes keep off the cores vLLM bound its model runners
+    to (``dynagraph.cli.core_keeper``); ``share``: the kernel places them."""
 
 
 IPC_PATH_MAX = 107
@@ -120,6 +129,7 @@ class Supervisor(RuntimeScaling):
         self._retirements: set[asyncio.Task[None]] = set()
         self.started = serve_part.select(graph, configs, options.service_names)
         self.serve_id = uuid.uuid4().hex
+        self._core_keeper: CoreKeeper | None = None
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -146,6 +156,8 @@ class Supervisor(RuntimeScaling):
                                     DRAIN_GRACE_ENV: str(self.opts.drain_grace),
                                     "DYNAMO_HOST": self.opts.host,
                                     serve_part.SERVE_ID_ENV: self.serve_id}
+            if self.opts.engine_cores == "keep-off":  # their engines leave niceness to it
+                self._child_base_env[ENGINE_CORES_ENV] = "keep-off"
             for cls in self.graph.nodes:
                 name = spec_of(cls).name
                 if name not in self.started or self.configs[name].service_args.embed_in:
@@ -159,15 +171,19 @@ class Supervisor(RuntimeScaling):
                 await cancel_and_wait([waiting])
             if ready:
                 await self.startup.all_said_ready()
+                if self.opts.engine_cores == "keep-off":
+                    self._core_keeper = CoreKeeper(os.getpid())
+                    self._core_keeper.scan()  # bound before the banner says ready
                 banner = self._ready_banner(await self._records(discovery),
                                             time.monotonic() - t0, targets)
                 print(banner, flush=True)
                 scaler = asyncio.create_task(self._follow_scale(discovery, spec_path),
                                              name="scale-keys")
+                keeper = asyncio.create_task(self._keep_cores(), name="core-keeper")
                 try:
                     await self._watch_children(spec_path)
                 finally:
-                    await cancel_and_wait([scaler])
+                    await cancel_and_wait([scaler, keeper])
             else:
                 self.exit_code = 1
         finally:
@@ -188,6 +204,17 @@ class Supervisor(RuntimeScaling):
                 serve_state.remove_state(state_path)
             log.info("stopped in %.2fs", time.monotonic() - t1)
         return self.exit_code
+
+    async def _keep_cores(self) -> None:
+        """``CoreKeeper.scan`` every ``INTERVAL_S`` (restarted or scaled components,
+        threads started since)."""
+        if self._core_keeper is None:
+            return
+        while not self.stopping.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.stopping.wait(), CORE_KEEPER_INTERVAL_S)
+            if not self.stopping.is_set():
+                self._core_keeper.scan()
 
     def _on_signal(self, sig: int) -> None:
         if not self.stopping.is_set():

@@ -20,6 +20,13 @@ from collections.abc import Iterable
 
 log = logging.getLogger(__name__)
 
+ENGINE_CORES_ENV = "DYNAGRAPH_ENGINE_CORES"
+"""``keep-off`` in a component's environment: ``dynamo serve``'s core keeper
+(``dynagraph.cli.core_keeper``) sets the engines' niceness, not the worker."""
+ENGINE_NICE_ENV = "DYNAGRAPH_ENGINE_NICE"
+"""The niceness a worker's engine processes get where they share cores with the graph
+(its ``engine-nice``), in their environment for the core keeper to read."""
+
 
 def renice(pids: Iterable[int], increment: int) -> int:
     """Add ``increment`` to the niceness of every thread of ``pids`` (capped at 19);

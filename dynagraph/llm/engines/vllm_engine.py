@@ -37,7 +37,7 @@ from pydantic import (
 from dynagraph.errors import ConfigError, EngineError, InvalidRequest, PromptTooLong
 from dynagraph.llm.engines.base import EngineLoad, EngineOutput, FinishReason, SamplingSpec
 from dynagraph.llm.engines.engine_spin import SPIN_ENV
-from dynagraph.llm.engines.nice import renice
+from dynagraph.llm.engines.nice import ENGINE_CORES_ENV, ENGINE_NICE_ENV, renice
 from dynagraph.llm.engines.reaper import Reaper, vllm_descendants
 from dynagraph.llm.engines.vllm_stats import (
     LoadTracker,
@@ -330,6 +330,7 @@ def _apply_env(args: VllmEngineArgs) -> None:
     os.environ.setdefault("VLLM_DO_NOT_TRACK", "1")
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(args.kv_cache_space_gib)
     os.environ[HUGE_PAGES_ENV] = "1" if args.huge_pages else "0"
+    os.environ[ENGINE_NICE_ENV] = str(args.engine_nice)  # for dynamo serve's core keeper
     if args.omp_spin_count is not None:
         os.environ[OMP_SPIN_ENV] = str(args.omp_spin_count)
     if args.engine_core_spin_s is not None:
@@ -524,7 +525,11 @@ class VllmEngine:
         llm = self._llm = built.pop()
         # vLLM's helper processes outlive a SIGKILLed owner; a watchdog ends them.
         self._reaper = Reaper(sorted(set(vllm_descendants()) - helpers_before))
-        if self.args.engine_nice:
+        if os.environ.get(ENGINE_CORES_ENV) == "keep-off" and self.engine_pids:
+            log.info("engine processes %s: niceness left to dynamo serve's core keeper "
+                     "(+%d where they share cores with the graph)", self.engine_pids,
+                     self.args.engine_nice)
+        elif self.args.engine_nice:
             threads = renice(self.engine_pids, self.args.engine_nice)
             log.info("engine processes %s: niceness +%d on %d threads", self.engine_pids,
                      self.args.engine_nice, threads)
