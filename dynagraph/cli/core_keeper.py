@@ -25,16 +25,18 @@ The keeper (``dynamo serve`` runs it every ``INTERVAL_S`` once the graph is read
 
 Niceness (``VllmWorker.engine-nice``) exists so that a loaded engine does not starve the
 graph's light processes where they share cores. Under the keeper, the engine processes
-are left at niceness 0 while it keeps the graph off their runners' cores (the VllmWorker
-does not renice them, seeing ``ENGINE_CORES_ENV`` of ``dynagraph.llm.engines.nice``); where it cannot (no runner bound, or
-every core bound), it gives each engine process the niceness its worker was configured
-with (``ENGINE_NICE_ENV`` in the process's environment), as the worker would have. A
+are left at niceness 0 while it keeps the graph off their runners' cores: a worker that
+sees ``ENGINE_NICE_DIR_ENV`` (``dynagraph.llm.engines.nice``) does not renice them but
+leaves its ``engine-nice`` for each in that directory. Where the keeper cannot keep the
+graph off (no runner bound, or every core bound), it gives each engine process that
+niceness, as the worker would have. A
 runner at 19 has so small a weight that the kernel puts anything on its core, the
-benchmark client included. Under ``vllm bench serve`` on 2 cores (3 rounds,
-``benchmarks/results/vllm_bench_serve_keep_off.md``), against vLLM's server in the same
-run, output tokens per second at 16 / 64 streams were: the runner's core kept free, engine
-at 0, 1.13x (rounds 1.01-1.31) / 0.96x (0.95-1.17); kept free, engine at 19, 0.94x /
-0.88x; not kept free, at 19 (as before), 1.01x / 0.87x. Niceness only goes up without
+benchmark client included. Under ``vllm bench serve`` on 2 cores, against vLLM's server
+in the same run (3 rounds each, ``benchmarks/results/vllm_bench_serve_keep_off.md`` and
+``_keep_off2.md``), output tokens per second at 16 / 64 streams: the runner's core kept
+free and the engine at 0 (as now) 1.13x / 0.96x and 1.01x / 1.07x; kept free, engine at
+19, 0.94x / 0.88x; shared, engine at 19 (as before) 1.01x / 0.87x and 0.95x / 0.99x. Kept
+free at 0 made more than shared at 19 in 11 of the 12 rounds the two ran side by side. Niceness only goes up without
 privileges, so an engine once reniced stays so.
 
 ``dynamo serve`` itself is not bound, so a component it starts or restarts begins with
@@ -52,7 +54,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from dynagraph.llm.engines.nice import ENGINE_NICE_ENV, renice
+from dynagraph.llm.engines.nice import deferred_nice, renice
 from dynagraph.runtime.procfs import descendants, thread_ids
 
 log = logging.getLogger(__name__)
@@ -100,8 +102,11 @@ def managed(current: frozenset[int], allowed: frozenset[int],
 class CoreKeeper:
     """Applies ``plan`` to the processes below ``root`` (``dynamo serve``'s pid)."""
 
-    def __init__(self, root: int, allowed: frozenset[int] | None = None) -> None:
+    def __init__(self, root: int, nice_dir: str, allowed: frozenset[int] | None = None
+                 ) -> None:
+        """``nice_dir``: where workers leave their engines' niceness (``defer_renice``)."""
         self.root = root
+        self.nice_dir = nice_dir
         self.allowed = allowed if allowed is not None else frozenset(os.sched_getaffinity(root))
         self.given: frozenset[int] | None = None
         """What the keeper last bound threads to (None: nothing yet)."""
@@ -135,7 +140,9 @@ class CoreKeeper:
         self.given = now.target
         if not now.keeps_off:  # the engines share cores with the graph: let it go first
             for pid in engines.keys() - self.reniced:
-                want = _wanted_nice(pid)
+                want = deferred_nice(pid, self.nice_dir)
+                if want is None:
+                    continue  # its worker has not said yet (its engine is starting)
                 if want:
                     threads = renice([pid], want)
                     log.info("engine process %d shares cores with the graph: niceness "
@@ -163,19 +170,6 @@ def _comm(pid: int) -> str | None:
             return f.read().strip()
     except OSError:
         return None
-
-
-def _wanted_nice(pid: int) -> int:
-    """``ENGINE_NICE_ENV`` of process ``pid`` (0 where unset or unreadable)."""
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            for entry in f.read().split(b"\0"):
-                key, _, value = entry.partition(b"=")
-                if key == ENGINE_NICE_ENV.encode():
-                    return max(0, min(19, int(value)))
-    except (OSError, ValueError):
-        pass
-    return 0
 
 
 def _affinity(tid: int) -> frozenset[int] | None:

@@ -59,7 +59,7 @@ from dynagraph.cli.core_keeper import CoreKeeper
 from dynagraph.cli.scaling import Child, RuntimeScaling, sweep_group
 from dynagraph.cli.startup_output import StartupOutput
 from dynagraph.errors import GraphError
-from dynagraph.llm.engines.nice import ENGINE_CORES_ENV
+from dynagraph.llm.engines.nice import ENGINE_NICE_DIR_ENV
 from dynagraph.llm.tenants.identity import SECRET_ENV, new_secret
 from dynagraph.observability.graph_targets import GraphTargets
 from dynagraph.runtime import progress
@@ -130,6 +130,8 @@ class Supervisor(RuntimeScaling):
         self.started = serve_part.select(graph, configs, options.service_names)
         self.serve_id = uuid.uuid4().hex
         self._core_keeper: CoreKeeper | None = None
+        self._nice_dir = os.path.join(self._tmp.name, "engine-nice")
+        """Where the workers leave their engines' niceness for the core keeper."""
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -157,7 +159,7 @@ class Supervisor(RuntimeScaling):
                                     "DYNAMO_HOST": self.opts.host,
                                     serve_part.SERVE_ID_ENV: self.serve_id}
             if self.opts.engine_cores == "keep-off":  # their engines leave niceness to it
-                self._child_base_env[ENGINE_CORES_ENV] = "keep-off"
+                self._child_base_env[ENGINE_NICE_DIR_ENV] = self._nice_dir
             for cls in self.graph.nodes:
                 name = spec_of(cls).name
                 if name not in self.started or self.configs[name].service_args.embed_in:
@@ -172,7 +174,7 @@ class Supervisor(RuntimeScaling):
             if ready:
                 await self.startup.all_said_ready()
                 if self.opts.engine_cores == "keep-off":
-                    self._core_keeper = CoreKeeper(os.getpid())
+                    self._core_keeper = CoreKeeper(os.getpid(), self._nice_dir)
                     self._core_keeper.scan()  # bound before the banner says ready
                 banner = self._ready_banner(await self._records(discovery),
                                             time.monotonic() - t0, targets)

@@ -6,7 +6,6 @@ with the VllmWorker in a process of its own."""
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,8 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dynagraph.cli.core_keeper import plan
-from dynagraph.runtime.procfs import descendants, thread_ids
+from tests.support.cores import assert_cores_kept
 from tests.support.serve import ServeProcess, graph_env, served
 
 from .conftest import MAX_MODEL_LEN
@@ -51,22 +49,8 @@ def test_the_engine_core_sleeps_while_its_model_runner_works(one_process: ServeP
 
 def test_the_graph_keeps_off_the_model_runner_s_cores(one_process: ServeProcess) -> None:
     # dynamo serve's core keeper (--engine-cores keep-off, the default) bound the graph's
-    # process before it said ready; vLLM's own processes keep vLLM's placement.
-    out = one_process.output()
-    frontend = int(dict(re.findall(r"^\s+(\w+)\[0\] pid=(\d+)", out, re.MULTILINE))["Frontend"])
-    engines = {pid: frozenset(os.sched_getaffinity(pid)) for pid in descendants(frontend)
-               if Path(f"/proc/{pid}/comm").read_text().startswith("VLLM::")}
-    assert engines, "no vLLM engine process under the Frontend's"
-    want = plan(frozenset(os.sched_getaffinity(one_process.proc.pid)), engines)
-    cores = {frozenset(os.sched_getaffinity(t)) for t in thread_ids(frontend)}
-    assert cores == {want.target}, (cores, want)
-    # engine-nice (19 by default) only where the engine shares cores with the graph
-    nice = {os.getpriority(os.PRIO_PROCESS, t) for pid in engines for t in thread_ids(pid)}
-    if want.keeps_off:  # vLLM bound its model runner to some of the cores: say which
-        assert "graph processes keep off the engines' cores" in out
-        assert nice == {0}, nice
-    else:
-        assert nice == {19}, nice
+    # processes before it said ready; vLLM's own processes keep vLLM's placement.
+    assert_cores_kept(one_process.proc.pid, one_process.output())
 
 
 def complete(url: str, prompt: str) -> str:

@@ -20,12 +20,29 @@ from collections.abc import Iterable
 
 log = logging.getLogger(__name__)
 
-ENGINE_CORES_ENV = "DYNAGRAPH_ENGINE_CORES"
-"""``keep-off`` in a component's environment: ``dynamo serve``'s core keeper
-(``dynagraph.cli.core_keeper``) sets the engines' niceness, not the worker."""
-ENGINE_NICE_ENV = "DYNAGRAPH_ENGINE_NICE"
-"""The niceness a worker's engine processes get where they share cores with the graph
-(its ``engine-nice``), in their environment for the core keeper to read."""
+ENGINE_NICE_DIR_ENV = "DYNAGRAPH_ENGINE_NICE_DIR"
+"""Set by ``dynamo serve`` while its core keeper runs (``dynagraph.cli.core_keeper``): a
+worker does not renice its engine's processes but writes each one's niceness there
+(``defer_renice``), and the keeper applies it where the engine shares cores with the
+graph."""
+
+
+def defer_renice(pids: Iterable[int], increment: int, directory: str) -> None:
+    """Leave ``increment`` for ``pids`` to the core keeper: a file per pid in
+    ``directory`` holding it."""
+    os.makedirs(directory, exist_ok=True)
+    for pid in pids:
+        with open(os.path.join(directory, str(pid)), "w") as f:
+            f.write(str(increment))
+
+
+def deferred_nice(pid: int, directory: str) -> int | None:
+    """The niceness ``defer_renice`` left for ``pid`` (None: none yet, or unreadable)."""
+    try:
+        with open(os.path.join(directory, str(pid))) as f:
+            return max(0, min(19, int(f.read().strip())))
+    except (OSError, ValueError):
+        return None
 
 
 def renice(pids: Iterable[int], increment: int) -> int:

@@ -37,7 +37,7 @@ from pydantic import (
 from dynagraph.errors import ConfigError, EngineError, InvalidRequest, PromptTooLong
 from dynagraph.llm.engines.base import EngineLoad, EngineOutput, FinishReason, SamplingSpec
 from dynagraph.llm.engines.engine_spin import SPIN_ENV
-from dynagraph.llm.engines.nice import ENGINE_CORES_ENV, ENGINE_NICE_ENV, renice
+from dynagraph.llm.engines.nice import ENGINE_NICE_DIR_ENV, defer_renice, renice
 from dynagraph.llm.engines.reaper import Reaper, vllm_descendants
 from dynagraph.llm.engines.vllm_stats import (
     LoadTracker,
@@ -168,7 +168,10 @@ class VllmEngineArgs(BaseModel):
     it (``dynagraph.llm.engines.nice``). 0: unchanged. No effect on an in-process engine.
     19 by default: at 0, a 2-core box serving 1000-token completions starved etcd past
     the graph's 3 s leases and broke a stream on its 4 s idle timeout; at 19 neither,
-    at about the same speed (``benchmarks/engine_nice_probe.py``)."""
+    at about the same speed (``benchmarks/engine_nice_probe.py``). Under ``dynamo serve``
+    (``--engine-cores keep-off``) the worker leaves it to the core keeper
+    (``dynagraph.cli.core_keeper``): the engine stays at 0 while the graph keeps off its
+    model runner's cores, and gets this value where it cannot."""
     huge_pages: bool = True
     """The engine's large CPU tensors (its KV cache, the weights) in transparent huge pages
     (PyTorch's ``THP_MEM_ALLOC_ENABLE``; a no-op where the kernel's THP is ``never``). A KV
@@ -330,7 +333,6 @@ def _apply_env(args: VllmEngineArgs) -> None:
     os.environ.setdefault("VLLM_DO_NOT_TRACK", "1")
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(args.kv_cache_space_gib)
     os.environ[HUGE_PAGES_ENV] = "1" if args.huge_pages else "0"
-    os.environ[ENGINE_NICE_ENV] = str(args.engine_nice)  # for dynamo serve's core keeper
     if args.omp_spin_count is not None:
         os.environ[OMP_SPIN_ENV] = str(args.omp_spin_count)
     if args.engine_core_spin_s is not None:
@@ -525,7 +527,8 @@ class VllmEngine:
         llm = self._llm = built.pop()
         # vLLM's helper processes outlive a SIGKILLed owner; a watchdog ends them.
         self._reaper = Reaper(sorted(set(vllm_descendants()) - helpers_before))
-        if os.environ.get(ENGINE_CORES_ENV) == "keep-off" and self.engine_pids:
+        if (nice_dir := os.environ.get(ENGINE_NICE_DIR_ENV)) and self.engine_pids:
+            defer_renice(self.engine_pids, self.args.engine_nice, nice_dir)
             log.info("engine processes %s: niceness left to dynamo serve's core keeper "
                      "(+%d where they share cores with the graph)", self.engine_pids,
                      self.args.engine_nice)

@@ -6,10 +6,12 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from dynagraph.cli.core_keeper import CoreKeeper, managed, plan
+from dynagraph.llm.engines.nice import defer_renice
 from dynagraph.runtime.procfs import thread_ids
 
 ALL = frozenset({0, 1, 2, 3})
@@ -50,7 +52,7 @@ open("/proc/self/comm", "w").write("VLLM::Worker")
 os.sched_setaffinity(0, {0})
 print("bound", flush=True)
 time.sleep(120)
-'''], stdout=subprocess.PIPE, text=True, env={**os.environ, "DYNAGRAPH_ENGINE_NICE": "7"})
+'''], stdout=subprocess.PIPE, text=True)
 assert runner.stdout.readline().strip() == "bound"
 other = subprocess.Popen([sys.executable, "-c", '''
 import threading, time
@@ -96,12 +98,13 @@ def _nice(pid: int) -> set[int]:
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to bind")
 def test_a_served_graph_s_processes_leave_the_runner_s_core(
-        graph: subprocess.Popen[str]) -> None:
+        graph: subprocess.Popen[str], tmp_path: Path) -> None:
     assert graph.stdout is not None and graph.stdin is not None
     runner, other = (int(x) for x in graph.stdout.readline().split())
     allowed = frozenset(os.sched_getaffinity(0))
     assert _cores(other) == {allowed}
-    keeper = CoreKeeper(graph.pid, allowed)
+    keeper = CoreKeeper(graph.pid, str(tmp_path), allowed)
+    defer_renice([runner], 7, str(tmp_path))  # its worker's engine-nice
     got = keeper.scan()
     assert got.engine_cores == {0} and got.keeps_off
     assert _cores(other) == {allowed - {0}}  # both threads
@@ -120,13 +123,16 @@ def test_a_served_graph_s_processes_leave_the_runner_s_core(
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to bind")
 def test_an_engine_whose_cores_cannot_be_kept_free_gets_its_worker_s_niceness(
-        graph: subprocess.Popen[str]) -> None:
+        graph: subprocess.Popen[str], tmp_path: Path) -> None:
     assert graph.stdout is not None
     runner, other = (int(x) for x in graph.stdout.readline().split())
-    keeper = CoreKeeper(graph.pid, frozenset({0}))  # the runner has every core there is
+    keeper = CoreKeeper(graph.pid, str(tmp_path), frozenset({0}))  # the runner has them all
     got = keeper.scan()
     assert not got.keeps_off and got.target == {0}
-    assert _nice(runner) == {7}  # DYNAGRAPH_ENGINE_NICE in its environment
+    assert _nice(runner) == {0}  # its worker has not said what it wants yet
+    defer_renice([runner], 7, str(tmp_path))
+    keeper.scan()
+    assert _nice(runner) == {7}
     assert _cores(other) == {frozenset(os.sched_getaffinity(0))}  # not the keeper's to bind
     keeper.scan()
     assert _nice(runner) == {7}  # once, not again

@@ -15,7 +15,6 @@ from pydantic import ValidationError
 from dynagraph.errors import ConfigError, EngineError
 from dynagraph.llm.engines import SamplingSpec
 from dynagraph.llm.engines.engine_spin import SPIN_ENV
-from dynagraph.llm.engines.nice import ENGINE_NICE_ENV
 from dynagraph.llm.engines.vllm_engine import (
     DYNAMO_DISABLE_ENV,
     HUGE_PAGES_ENV,
@@ -36,7 +35,6 @@ def _engine_core_spin_env_undone(monkeypatch: pytest.MonkeyPatch) -> None:
     """``_apply_env`` sets the engine core's busy-wait for the processes vLLM spawns; keep
     it out of this test process's later engines and vLLM servers."""
     monkeypatch.delenv(SPIN_ENV, raising=False)
-    monkeypatch.delenv(ENGINE_NICE_ENV, raising=False)
 
 
 def test_module_import_does_not_import_vllm() -> None:
@@ -94,13 +92,6 @@ def test_engine_tensors_in_huge_pages_unless_turned_off(monkeypatch: pytest.Monk
     assert os.environ[HUGE_PAGES_ENV] == "1"
     _apply_env(VllmEngineArgs.model_validate({"model": "m", "huge-pages": False}))
     assert os.environ[HUGE_PAGES_ENV] == "0"
-
-
-def test_engine_nice_reaches_the_engine_processes_environment() -> None:
-    """For dynamo serve's core keeper, which renices them where the graph shares their
-    cores (dynagraph.cli.core_keeper)."""
-    _apply_env(VllmEngineArgs.model_validate({"model": "m", "engine-nice": 7}))
-    assert os.environ[ENGINE_NICE_ENV] == "7"
 
 
 def test_omp_spin_count_sets_libgomps_spin_unless_none(monkeypatch: pytest.MonkeyPatch
