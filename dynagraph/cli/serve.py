@@ -175,7 +175,7 @@ class Supervisor(RuntimeScaling):
                 await self.startup.all_said_ready()
                 if self.opts.engine_cores == "keep-off":
                     self._core_keeper = CoreKeeper(os.getpid(), self._nice_dir)
-                    self._core_keeper.scan()  # bound before the banner says ready
+                    self._scan_cores()  # bound before the banner says ready
                 banner = self._ready_banner(await self._records(discovery),
                                             time.monotonic() - t0, targets)
                 print(banner, flush=True)
@@ -216,7 +216,16 @@ class Supervisor(RuntimeScaling):
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.stopping.wait(), CORE_KEEPER_INTERVAL_S)
             if not self.stopping.is_set():
-                self._core_keeper.scan()
+                self._scan_cores()
+
+    def _scan_cores(self) -> None:
+        """One ``CoreKeeper.scan``; a failure is logged (placement is an optimisation:
+        the graph serves without it)."""
+        assert self._core_keeper is not None
+        try:
+            self._core_keeper.scan()
+        except Exception:
+            log.exception("core keeper: scan failed (the graph's processes keep their cores)")
 
     def _on_signal(self, sig: int) -> None:
         if not self.stopping.is_set():
