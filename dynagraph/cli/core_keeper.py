@@ -1,9 +1,9 @@
 """Keep a graph's own processes off the cores its engines bound their model runners to
 (``dynamo serve --engine-cores keep-off``, the default).
 
-vLLM on the CPU binds each model runner's OpenMP threads to cores (``VLLM_CPU_OMP_THREADS_BIND``,
-by default the first allowed core of a 2-core box) and leaves the engine core and the API
-server free to run anywhere. Ours are the Frontend, VllmWorker, Router and the embedded etcd
+vLLM on the CPU binds each model runner's OpenMP threads to cores
+(``VLLM_CPU_OMP_THREADS_BIND``; by default the first allowed core of a 2-core box) and
+leaves the engine core and the API server free to run anywhere. Ours are the Frontend, VllmWorker, Router and the embedded etcd
 and NATS: the kernel put them on the runner's core too, more so since the runner runs at
 niceness 19 (``engine-nice``), whose tiny weight makes its core look idle to the load
 balancer. A forward pass is one thread on that core, so every moment it spends on the run
@@ -14,9 +14,10 @@ with the rest of the graph on the other core.
 
 The keeper (``dynamo serve`` runs it every ``INTERVAL_S`` once the graph is ready):
 
-- looks at the processes below ``dynamo serve``. vLLM's engine processes (named ``VLLM::...``:
-  the engine core, the model runners) are never touched: their placement is vLLM's (the
-  engine core floats, and runs on the runner's core while the runner waits for it);
+- looks at the processes below ``dynamo serve``. vLLM's engine processes (named
+  ``VLLM::...``: the engine core, the model runners) are never touched: their placement
+  is vLLM's (the engine core floats, and runs on the runner's core while the runner
+  waits for it);
 - the engine cores are those of the ``VLLM::`` processes bound to fewer cores than
   ``dynamo serve`` may use;
 - every thread of every other process is bound to the remaining cores, if any remain; where
@@ -29,19 +30,20 @@ are left at niceness 0 while it keeps the graph off their runners' cores: a work
 sees ``ENGINE_NICE_DIR_ENV`` (``dynagraph.llm.engines.nice``) does not renice them but
 leaves its ``engine-nice`` for each in that directory. Where the keeper cannot keep the
 graph off (no runner bound, or every core bound), it gives each engine process that
-niceness, as the worker would have. A
-runner at 19 has so small a weight that the kernel puts anything on its core, the
-benchmark client included. Under ``vllm bench serve`` on 2 cores, against vLLM's server
+niceness, as the worker would have. A runner at 19 has so small a weight that the kernel
+puts anything on its core, the benchmark client included. Under ``vllm bench serve`` on 2 cores, against vLLM's server
 in the same run (3 rounds each, ``benchmarks/results/vllm_bench_serve_keep_off.md`` and
 ``_keep_off2.md``), output tokens per second at 16 / 64 streams: the runner's core kept
 free and the engine at 0 (as now) 1.13x / 0.96x and 1.01x / 1.07x; kept free, engine at
-19, 0.94x / 0.88x; shared, engine at 19 (as before) 1.01x / 0.87x and 0.95x / 0.99x. Kept
-free at 0 made more than shared at 19 in 11 of the 12 rounds the two ran side by side. Niceness only goes up without
-privileges, so an engine once reniced stays so.
+19, 0.94x / 0.88x; shared, engine at 19 (as before) 1.01x / 0.87x and 0.95x / 0.99x.
+Kept free at 0 made more than shared at 19 in 11 of the 12 rounds the two ran side by
+side. Niceness only goes up without privileges, so an engine once reniced stays so.
 
 ``dynamo serve`` itself is not bound, so a component it starts or restarts begins with
-every core (vLLM picks its runner's cores among the cores its engine process may use);
-threads created later in a bound process inherit its binding. Threads someone else bound
+every core; threads created later in a bound process inherit its binding. An engine
+started by a worker already bound (a restart, a scale-up) would inherit it too, and vLLM
+picks the runner's cores among its engine process's: a vLLM plugin puts each engine core
+back on the graph's cores first (``dynagraph.llm.engines.engine_cores``). Threads someone else bound
 (neither every core nor the keeper's cores) are left alone.
 
 Planning is pure (``plan``); ``CoreKeeper.scan`` reads ``/proc`` and applies it.

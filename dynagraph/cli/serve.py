@@ -30,8 +30,9 @@ is stopped:
   seconds (every child gets ``DYNAMO_DRAIN_GRACE_S``) and exits; it is killed if it has not
   after that plus ``--stop-timeout``. Its exit is expected: never restarted.
 - **Cores**: once ready, and every 2 s after, the graph's own processes are bound to the
-  cores vLLM's model runners are not bound to (``--engine-cores keep-off``, the default;
-  ``dynagraph.cli.core_keeper``); ``--engine-cores share`` leaves them to the kernel.
+  cores vLLM's model runners are not bound to, and the engines' niceness follows from
+  that (``--engine-cores keep-off``, the default; ``dynagraph.cli.core_keeper``);
+  ``--engine-cores share`` leaves placement to the kernel and niceness to the workers.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ from dynagraph.cli.core_keeper import CoreKeeper
 from dynagraph.cli.scaling import Child, RuntimeScaling, sweep_group
 from dynagraph.cli.startup_output import StartupOutput
 from dynagraph.errors import GraphError
+from dynagraph.llm.engines.engine_cores import GRAPH_CPUS_ENV
 from dynagraph.llm.engines.nice import ENGINE_NICE_DIR_ENV
 from dynagraph.llm.tenants.identity import SECRET_ENV, new_secret
 from dynagraph.observability.graph_targets import GraphTargets
@@ -160,6 +162,8 @@ class Supervisor(RuntimeScaling):
                                     serve_part.SERVE_ID_ENV: self.serve_id}
             if self.opts.engine_cores == "keep-off":  # their engines leave niceness to it
                 self._child_base_env[ENGINE_NICE_DIR_ENV] = self._nice_dir
+                self._child_base_env[GRAPH_CPUS_ENV] = ",".join(  # engine cores start there
+                    str(c) for c in sorted(os.sched_getaffinity(0)))
             for cls in self.graph.nodes:
                 name = spec_of(cls).name
                 if name not in self.started or self.configs[name].service_args.embed_in:

@@ -14,6 +14,7 @@ def test_pyproject_declares_the_vllm_plugins() -> None:
     assert ep.declared()["vllm.general_plugins"] == {
         "dynagraph_afd": "dynagraph.llm.afd.plugin:register",
         "dynagraph_amx": "dynagraph.llm.engines.cpu_amx:register",
+        "dynagraph_engine_cores": "dynagraph.llm.engines.engine_cores:register",
         "dynagraph_engine_spin": "dynagraph.llm.engines.engine_spin:register"}
 
 

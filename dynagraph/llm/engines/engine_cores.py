@@ -1,0 +1,54 @@
+"""An engine core starts on the graph's cores, even where its worker was kept off the
+model runners' (a vLLM general plugin; ``dynamo serve --engine-cores keep-off``).
+
+``dynamo serve``'s core keeper (``dynagraph.cli.core_keeper``) binds a worker's threads to
+the cores no model runner is bound to. A worker that starts an engine after that (a
+restart, a worker scaled up while the graph runs) would hand that binding down: vLLM
+picks the new runner's cores among the cores its engine-core process may use, and on a
+2-core box that left one core for the runner and none to reserve. So ``dynamo serve``
+names the graph's cores in ``GRAPH_CPUS_ENV``, and this plugin, which vLLM runs in its
+engine-core process before it starts the model runner, puts that process's thread back on
+them. vLLM's own binding then applies as on a fresh start.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+from collections.abc import Mapping
+
+log = logging.getLogger("vllm.dynagraph.engine_cores")
+
+GRAPH_CPUS_ENV = "DYNAGRAPH_GRAPH_CPUS"
+"""The cores ``dynamo serve`` may use (comma-separated), in its components' environment."""
+
+
+def graph_cpus(env: Mapping[str, str] = os.environ, process_name: str | None = None
+               ) -> frozenset[int] | None:
+    """The cores an engine-core process should start on: ``GRAPH_CPUS_ENV`` in a process
+    named ``EngineCore...``; None elsewhere, or where it is unset or malformed."""
+    name = multiprocessing.current_process().name if process_name is None else process_name
+    raw = env.get(GRAPH_CPUS_ENV, "")
+    if not name.startswith("EngineCore") or not raw:
+        return None
+    try:
+        return frozenset(int(c) for c in raw.split(","))
+    except ValueError:
+        log.warning("%s=%r is not a list of cores: ignored", GRAPH_CPUS_ENV, raw)
+        return None
+
+
+def register() -> None:
+    """vLLM's general-plugin hook (``vllm.general_plugins`` entry point)."""
+    cpus = graph_cpus()
+    if cpus is None or frozenset(os.sched_getaffinity(0)) == cpus:
+        return
+    try:
+        os.sched_setaffinity(0, cpus)
+    except OSError as exc:
+        log.warning("engine core: could not move to the graph's cores %s: %s",
+                    sorted(cpus), exc)
+        return
+    log.info("engine core: on the graph's cores %s again (its worker was kept off the "
+             "model runners')", ",".join(str(c) for c in sorted(cpus)))
