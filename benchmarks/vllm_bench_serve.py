@@ -67,7 +67,8 @@ SYSTEMS = {"ours": (), "ours-separate": (SEPARATE,), "ours-nice0": (NICE0,),
 """Our graph's variants: overrides of ``benchmarks/agg_vs_vllm.py``'s agg graph (as
 shipped: the Processor inside the Frontend's process; ``-separate``: in a process of its
 own; ``-nice0``: the engine at the niceness of everything else, as vLLM's server runs it,
-instead of 19; ``-1proc``: the VllmWorker in the Frontend's process too, engine at
+instead of 19 (under ``--engine-cores keep-off`` only where the graph cannot keep off the
+model runner's cores: elsewhere the engine runs at 0 either way); ``-1proc``: the VllmWorker in the Frontend's process too, engine at
 niceness 0: vLLM's own layout, one API process and the engine core; ``-asyncio``: the
 component processes on asyncio's event loop instead of uvloop; ``-spin1``: the engine core
 busy-waits 1 s for its model runner, vLLM's own, instead of looking every 0.1 ms;
@@ -198,7 +199,8 @@ def markdown(result: dict[str, Any]) -> str:
         f"servers ({', '.join(s['systems'].split(','))}) in rotating order, all up for the "
         "whole run (engine settings of `benchmarks/agg_vs_vllm.py`; `ours`: configs/agg.yaml, "
         "the Processor inside the Frontend's process; `-separate`: in its own process; "
-        "`-nice0`: engine-nice 0 instead of 19; `-1proc`: the VllmWorker in the Frontend's "
+        "`-nice0`: engine-nice 0 instead of 19 (no effect while the graph keeps off the "
+        "runner's core); `-1proc`: the VllmWorker in the Frontend's "
         "process too, engine-nice 0; `-asyncio`: asyncio's event loop instead of uvloop; "
         "`-spin1`: engine-core-spin-s 1 instead of 0; `-share`: `--engine-cores share`, "
         "our processes on the model runner's core too). "
