@@ -56,8 +56,9 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import psutil
+
 from dynagraph.llm.engines.nice import deferred_nice, renice
-from dynagraph.runtime.procfs import descendants, thread_ids
 
 log = logging.getLogger(__name__)
 
@@ -118,18 +119,7 @@ class CoreKeeper:
 
     def scan(self) -> Plan:
         """One pass: returns the plan it applied (logged when it changes)."""
-        engines: dict[int, frozenset[int]] = {}
-        others: list[int] = []
-        for pid in descendants(self.root):
-            name = _comm(pid)
-            if name is None:
-                continue
-            if name.startswith(ENGINE_PREFIX):
-                cores = _affinity(pid)
-                if cores is not None:
-                    engines[pid] = cores
-            else:
-                others.append(pid)
+        engines, others = split_processes(self.root)
         now = plan(self.allowed, engines)
         changed = 0
         for pid in others:
@@ -162,16 +152,36 @@ class CoreKeeper:
         return now
 
 
+def split_processes(root: int) -> tuple[dict[int, frozenset[int]], list[int]]:
+    """The processes below ``root``: vLLM's engine processes with their cores, and the
+    others (processes gone meanwhile are left out)."""
+    engines: dict[int, frozenset[int]] = {}
+    others: list[int] = []
+    try:
+        children = psutil.Process(root).children(recursive=True)
+    except psutil.Error:
+        return engines, others
+    for proc in children:
+        try:
+            if proc.name().startswith(ENGINE_PREFIX):
+                engines[proc.pid] = frozenset(proc.cpu_affinity())
+            else:
+                others.append(proc.pid)
+        except psutil.Error:
+            continue
+    return engines, others
+
+
+def thread_ids(pid: int) -> list[int]:
+    """The threads of process ``pid`` (empty once it is gone)."""
+    try:
+        return [t.id for t in psutil.Process(pid).threads()]
+    except psutil.Error:
+        return []
+
+
 def _cores(cores: frozenset[int]) -> str:
     return ",".join(str(c) for c in sorted(cores))
-
-
-def _comm(pid: int) -> str | None:
-    try:
-        with open(f"/proc/{pid}/comm") as f:
-            return f.read().strip()
-    except OSError:
-        return None
 
 
 def _affinity(tid: int) -> frozenset[int] | None:

@@ -134,6 +134,8 @@ class Supervisor(RuntimeScaling):
         self._core_keeper: CoreKeeper | None = None
         self._nice_dir = os.path.join(self._tmp.name, "engine-nice")
         """Where the workers leave their engines' niceness for the core keeper."""
+        self._cores = frozenset(os.sched_getaffinity(0))
+        """The cores this serve may use: the graph's."""
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -163,7 +165,7 @@ class Supervisor(RuntimeScaling):
             if self.opts.engine_cores == "keep-off":  # their engines leave niceness to it
                 self._child_base_env[ENGINE_NICE_DIR_ENV] = self._nice_dir
                 self._child_base_env[GRAPH_CPUS_ENV] = ",".join(  # engine cores start there
-                    str(c) for c in sorted(os.sched_getaffinity(0)))
+                    str(c) for c in sorted(self._cores))
             for cls in self.graph.nodes:
                 name = spec_of(cls).name
                 if name not in self.started or self.configs[name].service_args.embed_in:
@@ -178,18 +180,20 @@ class Supervisor(RuntimeScaling):
             if ready:
                 await self.startup.all_said_ready()
                 if self.opts.engine_cores == "keep-off":
-                    self._core_keeper = CoreKeeper(os.getpid(), self._nice_dir)
+                    self._core_keeper = CoreKeeper(os.getpid(), self._nice_dir, self._cores)
                     self._scan_cores()  # bound before the banner says ready
                 banner = self._ready_banner(await self._records(discovery),
                                             time.monotonic() - t0, targets)
                 print(banner, flush=True)
                 scaler = asyncio.create_task(self._follow_scale(discovery, spec_path),
                                              name="scale-keys")
-                keeper = asyncio.create_task(self._keep_cores(), name="core-keeper")
+                tasks = [scaler]
+                if self._core_keeper is not None:
+                    tasks.append(asyncio.create_task(self._keep_cores(), name="core-keeper"))
                 try:
                     await self._watch_children(spec_path)
                 finally:
-                    await cancel_and_wait([scaler, keeper])
+                    await cancel_and_wait(tasks)
             else:
                 self.exit_code = 1
         finally:
@@ -214,8 +218,6 @@ class Supervisor(RuntimeScaling):
     async def _keep_cores(self) -> None:
         """``CoreKeeper.scan`` every ``INTERVAL_S`` (restarted or scaled components,
         threads started since)."""
-        if self._core_keeper is None:
-            return
         while not self.stopping.is_set():
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.stopping.wait(), CORE_KEEPER_INTERVAL_S)

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["descendants", "group_pids", "pid_alive", "shm_files", "thread_ids",
-           "unlink_orphaned_shm"]
+__all__ = ["group_pids", "pid_alive", "shm_files", "unlink_orphaned_shm"]
 
 
 def pid_alive(pid: int) -> bool:
@@ -27,29 +26,6 @@ def group_pids(pgid: int) -> list[int]:
     """The processes of process group ``pgid`` (their main threads not yet reaped)."""
     return [int(e) for e in os.listdir("/proc")
             if e.isdigit() and (fields := _stat(f"/proc/{e}/stat")) and int(fields[2]) == pgid]
-
-
-def descendants(root: int) -> list[int]:
-    """The processes below ``root`` (children, their children, ...), not ``root``."""
-    children: dict[int, list[int]] = {}
-    for e in os.listdir("/proc"):
-        if e.isdigit() and (fields := _stat(f"/proc/{e}/stat")):
-            children.setdefault(int(fields[1]), []).append(int(e))
-    found: list[int] = []
-    todo = list(children.get(root, ()))
-    while todo:
-        pid = todo.pop()
-        found.append(pid)
-        todo.extend(children.get(pid, ()))
-    return found
-
-
-def thread_ids(pid: int) -> list[int]:
-    """The threads of process ``pid`` (empty once it is gone)."""
-    try:
-        return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-    except (FileNotFoundError, ProcessLookupError):
-        return []
 
 
 def _stat(path: str) -> list[str] | None:

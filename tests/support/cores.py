@@ -4,27 +4,15 @@ checked from ``/proc``."""
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
-from dynagraph.cli.core_keeper import ENGINE_PREFIX, Plan, plan
-from dynagraph.runtime.procfs import descendants, thread_ids
+from dynagraph.cli.core_keeper import Plan, plan, split_processes, thread_ids
 
 
 def assert_cores_kept(serve_pid: int, output: str, engine_nice: int = 19) -> Plan:
     """Every thread of the graph's own processes on the cores no model runner is bound
     to; vLLM's processes at niceness 0 while that keeps them free, else at
     ``engine_nice``. Returns the plan it checked against."""
-    engines: dict[int, frozenset[int]] = {}
-    others: list[int] = []
-    for pid in descendants(serve_pid):
-        try:
-            name = Path(f"/proc/{pid}/comm").read_text().strip()
-        except OSError:
-            continue
-        if name.startswith(ENGINE_PREFIX):
-            engines[pid] = frozenset(os.sched_getaffinity(pid))
-        else:
-            others.append(pid)
+    engines, others = split_processes(serve_pid)
     assert engines, "no vLLM engine process in the graph"
     want = plan(frozenset(os.sched_getaffinity(serve_pid)), engines)
     cores = {frozenset(os.sched_getaffinity(t)) for pid in others for t in thread_ids(pid)}

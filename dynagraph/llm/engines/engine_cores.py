@@ -14,9 +14,10 @@ them. vLLM's own binding then applies as on a fresh start.
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
 from collections.abc import Mapping
+
+from dynagraph.llm.engines.engine_spin import engine_core_setting
 
 log = logging.getLogger("vllm.dynagraph.engine_cores")
 
@@ -28,9 +29,8 @@ def graph_cpus(env: Mapping[str, str] = os.environ, process_name: str | None = N
                ) -> frozenset[int] | None:
     """The cores an engine-core process should start on: ``GRAPH_CPUS_ENV`` in a process
     named ``EngineCore...``; None elsewhere, or where it is unset or malformed."""
-    name = multiprocessing.current_process().name if process_name is None else process_name
-    raw = env.get(GRAPH_CPUS_ENV, "")
-    if not name.startswith("EngineCore") or not raw:
+    raw = engine_core_setting(GRAPH_CPUS_ENV, env, process_name)
+    if raw is None:
         return None
     try:
         return frozenset(int(c) for c in raw.split(","))

@@ -42,14 +42,21 @@ NAP_S = 0.0001
 _PATCHED = "_dynagraph_spin_s"
 
 
+def engine_core_setting(key: str, env: Mapping[str, str] = os.environ,
+                        process_name: str | None = None) -> str | None:
+    """``env[key]`` in vLLM's engine-core process (``multiprocessing``'s name
+    ``EngineCore...``), where our vLLM plugins act; None elsewhere, or where it is unset
+    or empty."""
+    raw = env.get(key)
+    name = multiprocessing.current_process().name if process_name is None else process_name
+    return raw if raw and name.startswith("EngineCore") else None
+
+
 def engine_core_spin_s(env: Mapping[str, str] = os.environ,
                        process_name: str | None = None) -> float | None:
     """The busy-wait to apply in this process, or ``None`` to leave vLLM's."""
-    raw = env.get(SPIN_ENV)
-    if raw is None or raw == "":
-        return None
-    name = multiprocessing.current_process().name if process_name is None else process_name
-    if not name.startswith("EngineCore"):
+    raw = engine_core_setting(SPIN_ENV, env, process_name)
+    if raw is None:
         return None
     try:
         value = float(raw)
