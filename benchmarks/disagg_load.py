@@ -10,7 +10,9 @@ workers to each of ``--transports`` in turn (rounds alternate the order); as in
 (``shm@omp-spin-count=null``: a VllmWorker key; ``shm@PrefillWorker.key=value``). After
 the graph is ready and ``--warmup`` seconds of load, ``--concurrency`` closed-loop clients
 stream ``--max-tokens`` greedy tokens for ``--window`` seconds; reported: requests
-completed in the window, errors, TTFT and inter-token p50 / p99. Writes
+completed in the window, errors, etcd leases the graph's processes found expired after
+it was ready (``benchmarks/engine_nice_probe.py``'s count), TTFT and inter-token p50 /
+p99. Writes
 ``benchmarks/results/<name>.{json,md}``.
 """
 
@@ -30,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks import _common as bench  # noqa: E402
 from benchmarks.chaos import load, short  # noqa: E402
 from benchmarks.disagg_served import split_transport  # noqa: E402
+from benchmarks.engine_nice_probe import LEASE_LOST  # noqa: E402
 from dynagraph.runtime.infra import free_port, local_infra  # noqa: E402
 from tools.model_builder import ensure_model  # noqa: E402
 
@@ -49,7 +52,9 @@ def run(a: argparse.Namespace, transport: str) -> dict[str, Any]:
                                      name=f"disagg-load-{transport}")
         try:
             graph.wait_line(lambda s: s.startswith("dynamo serve: graph"), 300)
+            ready_at = len(graph.lines)
             got, wall = asyncio.run(measure(f"http://127.0.0.1:{port}", a))
+            leases_lost = sum(LEASE_LOST in line for line in graph.lines[ready_at:])
         finally:
             graph.stop()
     ok = [r for r in got if r.error is None and not short(r, a.max_tokens)]
@@ -60,6 +65,7 @@ def run(a: argparse.Namespace, transport: str) -> dict[str, Any]:
               if r.error is not None or short(r, a.max_tokens)]
     return {"transport": transport, "window_s": round(wall, 1), "completed": len(ok),
             "errors": len(errors), "first_error": errors[0] if errors else None,
+            "leases_lost": leases_lost,
             "ttft_p50_ms": round(statistics.median(ttft)) if ttft else None,
             "ttft_p99_ms": round(bench.percentile(ttft, 99)) if ttft else None,
             "itl_p50_ms": round(statistics.median(itl), 1) if itl else None,
@@ -99,7 +105,7 @@ def main() -> int:
             row = {"round": rnd + 1, **run(a, t)}
             print(row, flush=True)
             rows.append(row)
-    cols = ["round", "transport", "window_s", "completed", "errors", "ttft_p50_ms",
+    cols = ["round", "transport", "window_s", "completed", "errors", "leases_lost", "ttft_p50_ms",
             "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "loadavg_1m"]
     text = ("# disagg_router under a steady load, by KV transport\n\n"
             f"`python benchmarks/disagg_load.py --transports {a.transports} --rounds "
