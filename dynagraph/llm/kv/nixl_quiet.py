@@ -30,6 +30,26 @@ as for a host buffer), the decode side reads the encoded bytes and decodes them.
 Each step polls the KV reads it has just posted for up to ``DYNAGRAPH_NIXL_SETTLE_US``
 (``nixl-settle-us``, default 2000) so that the same step reports them done
 (``dynagraph.llm.kv.nixl_settle``).
+
+Where the engines sit: on the CPU, vLLM's NIXL worker binds the thread that creates it to
+the last core of each NUMA node ("reserve different cores for start_load_kv() from
+model_forward()"). Our NIXL engines run their model in the engine-core process, so that
+thread is the engine core's main thread, which also runs the forward passes: every NIXL
+engine of a host runs there (core 1 of a 2-core box; ``cpu-threads-bind`` has no say),
+and ``dynamo serve``'s core keeper then keeps the graph's own processes on the other
+cores and leaves the engines at niceness 0. That binding is kept on purpose; two scratch
+A/Bs on 2 cores (2026-12-06, ``benchmarks/results/disagg_*_nixl_bind_*.md``):
+
+- Every thread it bound put back on the engine's cores (the engines float, the keeper
+  renices them to 19): one request at a time, 4k-token transfers 1.9 -> 0.77 ms over
+  NIXL and 0.79 -> 0.50 ms over shared memory in one pair of runs; but under a steady
+  load of 6 streams on ``disagg_router`` (three engines) the graph completed 82 / 79
+  requests in 60 s against 277 / 264, inter-token p50 26-27 ms against 2.4-2.8 ms, at
+  niceness 19 or 0 alike.
+- Each engine on its worker's own ``cpu-threads-bind`` cores instead (decode core 0,
+  prefill core 1): one request at a time no different; under the same load 197 / 231
+  completed (210 / 186 at niceness 0) against 236 / 246 kept, with a lower TTFT p99
+  (0.7-1.0 s against 1.7-1.8 s).
 """
 
 from __future__ import annotations
