@@ -3,10 +3,12 @@ the prefill engine's shared KV cache, and the greedy output equals the agg graph
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
+from dynagraph.cli.core_keeper import split_processes
 from dynagraph.llm.kv.shm_direct import MANIFEST_DIR, MANIFEST_PREFIX
 from tests.e2e_disagg.conftest import (
     BLOCK,
@@ -16,6 +18,7 @@ from tests.e2e_disagg.conftest import (
     check_transfer,
     transferred,
 )
+from tests.support.cores import assert_cores_kept
 from tests.support.greedy import Greedy
 from tests.support.kvmem import kv_memfd_inodes
 
@@ -35,3 +38,18 @@ def test_greedy_output_equals_agg_and_the_kv_is_copied_from_the_prefill_engine(
     assert len(list(Path(MANIFEST_DIR).glob(f"{MANIFEST_PREFIX}*.json"))) >= 2
     maps = kv_memfd_inodes(shm_graph.proc.pid)
     assert len(maps) >= 2 and max(len(v) for v in maps.values()) == 2, maps
+
+
+def test_both_engines_run_on_the_core_vllms_nixl_worker_binds_and_the_graph_keeps_off_it(
+        shm_graph: DisaggGraph) -> None:
+    """vLLM's NIXL worker binds the engine core's main thread (which runs our in-process
+    engines' forward passes) to the last core; that is kept on purpose
+    (``dynagraph.llm.kv.nixl_quiet``), and ``dynamo serve``'s keeper then keeps the graph
+    on the other cores with the engines at niceness 0."""
+    serve_pid = shm_graph.proc.pid
+    engines, _ = split_processes(serve_pid)
+    assert len(engines) == 2, engines
+    allowed = frozenset(os.sched_getaffinity(serve_pid))
+    if len(allowed) > 1:
+        assert set(engines.values()) == {frozenset({max(allowed)})}, engines
+    assert_cores_kept(serve_pid, shm_graph.proc.output())
