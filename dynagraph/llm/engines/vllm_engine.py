@@ -159,7 +159,8 @@ class VllmEngineArgs(BaseModel):
     runs OpenMP's default, a thread per core. Binding those too (``OMP_NUM_THREADS`` and
     ``GOMP_CPU_AFFINITY`` for the engine-core process, tried 2026-12-05) made the disagg
     graph's prefills ~1.9x slower one request at a time (4k: 548 against ~290 ms), so it
-    is not done."""
+    is not done. vLLM's NIXL worker does bind such an engine's main thread, to the last
+    core (``dynagraph.llm.kv.nixl_quiet`` says why that is kept)."""
     cpu_reserved_cores: int | None = Field(default=None, ge=0)
     """``VLLM_CPU_NUM_OF_RESERVED_CPU``; set 0 on 2-core machines with a KV connector."""
     engine_nice: int = Field(default=19, ge=0, le=19)
