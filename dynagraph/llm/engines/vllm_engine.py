@@ -169,7 +169,10 @@ class VllmEngineArgs(BaseModel):
     it (``dynagraph.llm.engines.nice``). 0: unchanged. No effect on an in-process engine.
     19 by default: at 0, a 2-core box serving 1000-token completions starved etcd past
     the graph's 3 s leases and broke a stream on its 4 s idle timeout; at 19 neither,
-    at about the same speed (``benchmarks/engine_nice_probe.py``). Under ``dynamo serve``
+    at about the same speed (``benchmarks/engine_nice_probe.py``). Measured again
+    2026-12-06 with the engine sharing the graph's cores (``engine_nice_probe_share.md``):
+    no lease lost at 0 or 19, but each request took 3.1-4.5 s at 0 against 2.0-2.8 s at
+    19. Under ``dynamo serve``
     (``--engine-cores keep-off``) the worker leaves it to the core keeper
     (``dynagraph.cli.core_keeper``): the engine stays at 0 while the graph keeps off its
     model runner's cores, and gets this value where it cannot."""
