@@ -172,10 +172,9 @@ class VllmEngineArgs(BaseModel):
     at about the same speed (``benchmarks/engine_nice_probe.py``). Measured again
     2026-12-06 with the engine sharing the graph's cores (``engine_nice_probe_share.md``):
     no lease lost at 0 or 19, but each request took 3.1-4.5 s at 0 against 2.0-2.8 s at
-    19. Under ``dynamo serve``
-    (``--engine-cores keep-off``) the worker leaves it to the core keeper
-    (``dynagraph.cli.core_keeper``): the engine stays at 0 while the graph keeps off its
-    model runner's cores, and gets this value where it cannot."""
+    19. Under ``dynamo serve`` (``--engine-cores keep-off``) the worker leaves it to the
+    core keeper (``dynagraph.cli.core_keeper``): the engine stays at 0 while the graph
+    keeps off its model runner's cores, and gets this value where it cannot."""
     huge_pages: bool = True
     """The engine's large CPU tensors (its KV cache, the weights) in transparent huge pages
     (PyTorch's ``THP_MEM_ALLOC_ENABLE``; a no-op where the kernel's THP is ``never``). A KV
