@@ -5,6 +5,7 @@ Retry-After and an OpenAI error naming the reason; interactive requests are serv
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -16,6 +17,7 @@ import httpx
 import pytest
 
 from tests.support.infra import own_infra
+from tests.support.metrics import scrape, total
 from tests.support.serve import ServeProcess, graph_env, served
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
@@ -47,14 +49,26 @@ def post(graph: ServeProcess, key: str, prompt: str, max_tokens: int = 2) -> htt
                             "temperature": 0})
 
 
-def hold_pressure(stack: ExitStack, graph: ServeProcess, n: int = 8) -> list[Iterator[bytes]]:
+def worker_metrics(graph: ServeProcess) -> list[str]:
+    """Each VllmWorker's metrics address, from the ready banner."""
+    return re.findall(r"VllmWorker\[\d+\] pid=\d+ .*?metrics=(\S+)", graph.output())
+
+
+def hold_pressure(stack: ExitStack, graph: ServeProcess, n: int = 8,
+                  most: int = 16) -> list[Iterator[bytes]]:
     """Open ``n`` long interactive streams (each on its own prompt, so the Router spreads
     them by load) and wait for their first bytes: both workers are busy for seconds (the
     tiny model decodes thousands of tokens a second) or until the stack closes them (a
-    client disconnect cancels the request down to the engine)."""
+    client disconnect cancels the request down to the engine). The Router places by
+    learned speed, so nothing makes it use both workers: in one full-suite run on a
+    loaded box a batch request was admitted under this pressure, which takes a worker
+    with no request. So more are opened, up to ``most``, until every worker runs one."""
     client = stack.enter_context(httpx.Client(timeout=120))
     readers: list[Iterator[bytes]] = []  # held: a reader dropped early closes its stream
-    for i in range(n):
+    workers = worker_metrics(graph)
+    assert len(workers) == 2, graph.output()[-2000:]
+
+    def open_one(i: int) -> None:
         prompt = f"Stream {i}: " + " ".join(f"w{i}x{j}" for j in range(30))
         resp = stack.enter_context(client.stream(
             "POST", f"{graph.url()}/v1/completions",
@@ -64,6 +78,22 @@ def hold_pressure(stack: ExitStack, graph: ServeProcess, n: int = 8) -> list[Ite
         assert resp.status_code == 200, resp.read()
         readers.append(resp.iter_bytes())
         next(readers[-1])
+
+    def idle() -> list[str]:
+        """The workers that report no running request (their reports lag a step)."""
+        deadline = time.monotonic() + 1.0
+        while True:
+            out = [w for w in workers
+                   if total(scrape(w), "dynamo_worker_requests_running") < 1]
+            if not out or time.monotonic() > deadline:
+                return out
+            time.sleep(0.05)
+
+    for i in range(n):
+        open_one(i)
+    while (left := idle()) and len(readers) < most:
+        open_one(len(readers))
+    assert not left, f"{left} idle with {len(readers)} streams open"
     return readers
 
 
@@ -80,7 +110,7 @@ def test_under_pressure_batch_is_shed_after_max_delay_and_interactive_served(
         shed = post(graph, KEY_B, "A batch job that arrives at a busy time.")
         waited = time.monotonic() - t0
         live = post(graph, KEY_I, "An interactive question at a busy time.")
-        assert len(readers) == 8
+        assert len(readers) >= 8
     assert shed.status_code == 429, shed.text
     assert int(shed.headers["retry-after"]) >= 1
     error = shed.json()["error"]
@@ -105,7 +135,7 @@ def test_a_delayed_batch_request_is_served_once_the_pressure_is_gone(
         sender.start()
         time.sleep(1.5)
         assert "done" not in result  # held back while the interactive streams run
-        assert len(readers) == 8
+        assert len(readers) >= 8
     released = time.monotonic()
     sender.join(timeout=60)
     assert not sender.is_alive()
