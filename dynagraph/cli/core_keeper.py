@@ -19,7 +19,8 @@ The keeper (``dynamo serve`` runs it every ``INTERVAL_S`` once the graph is read
   is vLLM's (the engine core floats, and runs on the runner's core while the runner
   waits for it);
 - the engine cores are those of the ``VLLM::`` processes bound to fewer cores than
-  ``dynamo serve`` may use;
+  ``dynamo serve`` may use (a NIXL engine's too: vLLM's NIXL worker binds its engine
+  core's main thread to the last core, ``dynagraph.llm.kv.nixl_quiet``);
 - every thread of every other process is bound to the remaining cores, if any remain; where
   none remain (say two workers, one per core of a 2-core box) or no engine is bound, the
   threads it bound before get all the cores back.
