@@ -59,7 +59,8 @@ from dataclasses import dataclass
 
 import psutil
 
-from dynagraph.llm.engines.nice import deferred_nice, renice
+from dynagraph.llm.engines.engine_cores import cpu_list
+from dynagraph.llm.engines.nice import deferred_nice, renice, thread_ids
 
 log = logging.getLogger(__name__)
 
@@ -145,10 +146,10 @@ class CoreKeeper:
         if now != self.last:
             if now.keeps_off:
                 log.info("graph processes keep off the engines' cores %s: %d threads on %s",
-                         _cores(now.engine_cores), changed, _cores(now.target))
+                         cpu_list(now.engine_cores), changed, cpu_list(now.target))
             elif self.last is not None and self.last.keeps_off:
                 log.info("graph processes back on every core %s (%d threads)",
-                         _cores(now.target), changed)
+                         cpu_list(now.target), changed)
             self.last = now
         return now
 
@@ -171,18 +172,6 @@ def split_processes(root: int) -> tuple[dict[int, frozenset[int]], list[int]]:
         except psutil.Error:
             continue
     return engines, others
-
-
-def thread_ids(pid: int) -> list[int]:
-    """The threads of process ``pid`` (empty once it is gone)."""
-    try:
-        return [t.id for t in psutil.Process(pid).threads()]
-    except psutil.Error:
-        return []
-
-
-def _cores(cores: frozenset[int]) -> str:
-    return ",".join(str(c) for c in sorted(cores))
 
 
 def _affinity(tid: int) -> frozenset[int] | None:

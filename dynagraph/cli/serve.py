@@ -60,7 +60,7 @@ from dynagraph.cli.core_keeper import CoreKeeper
 from dynagraph.cli.scaling import Child, RuntimeScaling, sweep_group
 from dynagraph.cli.startup_output import StartupOutput
 from dynagraph.errors import GraphError
-from dynagraph.llm.engines.engine_cores import GRAPH_CPUS_ENV
+from dynagraph.llm.engines.engine_cores import GRAPH_CPUS_ENV, cpu_list
 from dynagraph.llm.engines.nice import ENGINE_NICE_DIR_ENV
 from dynagraph.llm.tenants.identity import SECRET_ENV, new_secret
 from dynagraph.observability.graph_targets import GraphTargets
@@ -164,8 +164,7 @@ class Supervisor(RuntimeScaling):
                                     serve_part.SERVE_ID_ENV: self.serve_id}
             if self.opts.engine_cores == "keep-off":  # their engines leave niceness to it
                 self._child_base_env[ENGINE_NICE_DIR_ENV] = self._nice_dir
-                self._child_base_env[GRAPH_CPUS_ENV] = ",".join(  # engine cores start there
-                    str(c) for c in sorted(self._cores))
+                self._child_base_env[GRAPH_CPUS_ENV] = cpu_list(self._cores)  # engines start there
             for cls in self.graph.nodes:
                 name = spec_of(cls).name
                 if name not in self.started or self.configs[name].service_args.embed_in:

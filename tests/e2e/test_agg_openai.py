@@ -156,8 +156,7 @@ def test_bad_input_gets_openai_errors_and_service_keeps_serving(
 async def test_client_disconnect_aborts_the_engine_request(
     base_url: str, agg_graph: ServeProcess, client: openai.OpenAI
 ) -> None:
-    metrics_addr = re.search(r"VllmWorker\[0\] pid=\d+ rpc=\S+ metrics=(\S+)",
-                             agg_graph.output()).group(1)  # type: ignore[union-attr]
+    metrics_addr = agg_graph.metrics_addresses("VllmWorker")[0]
 
     def running() -> float:
         text = httpx.get(f"http://{metrics_addr}/metrics").text

@@ -11,7 +11,6 @@ outlives its lease unread; the graph stops cleanly.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -57,15 +56,10 @@ def _complete(url: str, prompt: str) -> str:
     return str(_choice(url, prompt)["text"])
 
 
-def _addresses(sp: ServeProcess, component: str) -> list[str]:
-    return [m.group(1) for line in sp.lines if f"{component}[" in line and " pid=" in line
-            and (m := re.search(r"metrics=(\S+)", line))]
-
-
 def test_long_prompts_prefill_remotely_and_the_router_decides(graph: ServeProcess) -> None:
     url = graph.url()
-    workers = _addresses(graph, "VllmWorker")
-    routers = _addresses(graph, "Router")
+    workers = graph.metrics_addresses("VllmWorker")
+    routers = graph.metrics_addresses("Router")
     assert len(workers) == 2 and len(routers) == 1, (workers, routers)
     first = {p: Greedy.of(_choice(url, p, logprobs=TOP_LOGPROBS)) for p in LONG}
     for p in SHORT:

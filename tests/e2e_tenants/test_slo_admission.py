@@ -5,7 +5,6 @@ Retry-After and an OpenAI error naming the reason; interactive requests are serv
 
 from __future__ import annotations
 
-import re
 import threading
 import time
 from collections.abc import Iterator
@@ -49,11 +48,6 @@ def post(graph: ServeProcess, key: str, prompt: str, max_tokens: int = 2) -> htt
                             "temperature": 0})
 
 
-def worker_metrics(graph: ServeProcess) -> list[str]:
-    """Each VllmWorker's metrics address, from the ready banner."""
-    return re.findall(r"VllmWorker\[\d+\] pid=\d+ .*?metrics=(\S+)", graph.output())
-
-
 def hold_pressure(stack: ExitStack, graph: ServeProcess, n: int = 8,
                   most: int = 16) -> list[Iterator[bytes]]:
     """Open ``n`` long interactive streams (each on its own prompt, so the Router spreads
@@ -65,7 +59,7 @@ def hold_pressure(stack: ExitStack, graph: ServeProcess, n: int = 8,
     with no request. So more are opened, up to ``most``, until every worker runs one."""
     client = stack.enter_context(httpx.Client(timeout=120))
     readers: list[Iterator[bytes]] = []  # held: a reader dropped early closes its stream
-    workers = worker_metrics(graph)
+    workers = graph.metrics_addresses("VllmWorker")
     assert len(workers) == 2, graph.output()[-2000:]
 
     def open_one(i: int) -> None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import os
 
-from dynagraph.cli.core_keeper import Plan, plan, split_processes, thread_ids
+from dynagraph.cli.core_keeper import Plan, plan, split_processes
+from dynagraph.llm.engines.nice import thread_ids
 
 
 def assert_cores_kept(serve_pid: int, output: str, engine_nice: int = 19) -> Plan:

@@ -81,6 +81,12 @@ class ServeProcess(OutputProcess):
             time.sleep(0.1)
         return self.output()[before:]
 
+    def metrics_addresses(self, component: str) -> list[str]:
+        """Each ``component`` instance's metrics address (``host:port``), from the ready
+        banner, in its order."""
+        return [m.group(1) for line in self.lines if f"{component}[" in line
+                and " pid=" in line and (m := re.search(r"metrics=(\S+)", line))]
+
     def url(self) -> str:
         """The Frontend URL printed in the ready banner."""
         m = re.search(r"url=(http://\S+)", self.output())

@@ -39,6 +39,11 @@ def graph_cpus(env: Mapping[str, str] = os.environ, process_name: str | None = N
         return None
 
 
+def cpu_list(cores: frozenset[int]) -> str:
+    """``cores`` as ``GRAPH_CPUS_ENV`` holds them (and as logs show them): ``0,1``."""
+    return ",".join(str(c) for c in sorted(cores))
+
+
 def register() -> None:
     """vLLM's general-plugin hook (``vllm.general_plugins`` entry point)."""
     cpus = graph_cpus()
@@ -51,4 +56,4 @@ def register() -> None:
                     sorted(cpus), exc)
         return
     log.info("engine core: on the graph's cores %s again (its worker was kept off the "
-             "model runners')", ",".join(str(c) for c in sorted(cpus)))
+             "model runners')", cpu_list(cpus))

@@ -18,6 +18,8 @@ import logging
 import os
 from collections.abc import Iterable
 
+import psutil
+
 log = logging.getLogger(__name__)
 
 ENGINE_NICE_DIR_ENV = "DYNAGRAPH_ENGINE_NICE_DIR"
@@ -45,6 +47,14 @@ def deferred_nice(pid: int, directory: str) -> int | None:
         return None
 
 
+def thread_ids(pid: int) -> list[int]:
+    """The threads of process ``pid`` (empty once it is gone)."""
+    try:
+        return [t.id for t in psutil.Process(pid).threads()]
+    except psutil.Error:
+        return []
+
+
 def renice(pids: Iterable[int], increment: int) -> int:
     """Add ``increment`` to the niceness of every thread of ``pids`` (capped at 19);
     returns how many threads were changed. Threads that vanish meanwhile are skipped."""
@@ -52,11 +62,7 @@ def renice(pids: Iterable[int], increment: int) -> int:
         return 0
     changed = 0
     for pid in pids:
-        try:
-            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-        except OSError:
-            continue
-        for tid in tids:
+        for tid in thread_ids(pid):
             try:
                 now = os.getpriority(os.PRIO_PROCESS, tid)
                 os.setpriority(os.PRIO_PROCESS, tid, min(19, now + increment))

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from dynagraph.cli.core_keeper import CoreKeeper, managed, plan, thread_ids
-from dynagraph.llm.engines.nice import defer_renice
+from dynagraph.cli.core_keeper import CoreKeeper, managed, plan
+from dynagraph.llm.engines.nice import defer_renice, thread_ids
 
 ALL = frozenset({0, 1, 2, 3})
 
