@@ -54,7 +54,7 @@ def run(a: argparse.Namespace, transport: str) -> dict[str, Any]:
             graph.wait_line(lambda s: s.startswith("dynamo serve: graph"), 300)
             ready_at = len(graph.lines)
             got, wall = asyncio.run(measure(f"http://127.0.0.1:{port}", a))
-            leases_lost = sum(LEASE_LOST in line for line in graph.lines[ready_at:])
+            lost = [line for line in graph.lines[ready_at:] if LEASE_LOST in line]
         finally:
             graph.stop()
     ok = [r for r in got if r.error is None and not short(r, a.max_tokens)]
@@ -65,7 +65,7 @@ def run(a: argparse.Namespace, transport: str) -> dict[str, Any]:
               if r.error is not None or short(r, a.max_tokens)]
     return {"transport": transport, "window_s": round(wall, 1), "completed": len(ok),
             "errors": len(errors), "first_error": errors[0] if errors else None,
-            "leases_lost": leases_lost,
+            "leases_lost": len(lost), "first_lease_lost": lost[0] if lost else None,
             "ttft_p50_ms": round(statistics.median(ttft)) if ttft else None,
             "ttft_p99_ms": round(bench.percentile(ttft, 99)) if ttft else None,
             "itl_p50_ms": round(statistics.median(itl), 1) if itl else None,

@@ -50,6 +50,21 @@ A/Bs on 2 cores (2026-12-06, ``benchmarks/results/disagg_*_nixl_bind_*.md``):
   prefill core 1): one request at a time no different; under the same load 197 / 231
   completed (210 / 186 at niceness 0) against 236 / 246 kept, with a lower TTFT p99
   (0.7-1.0 s against 1.7-1.8 s).
+
+Where a served NIXL READ's time goes (decode engine, one 1k-token request at a time,
+scratch ``perf`` of the engine with markers around each ``transfer()``, 2026-12-06): the
+copy (UCX's CMA, ``process_vm_readv``) runs at raw speed, 0.05-0.19 ms. But the agent
+vLLM made after binding started NIXL's progress thread, UCX's async thread and NIXL's
+dedicated workers on that same core, and UCX does a same-host READ in worker progress:
+the main thread and the progress thread take turns at the worker's spinlock, and the
+main thread spun ~0.1 ms a post (``pthread_spin_lock``), about as long as the copy. In
+~15% of posts the prefill engine's main thread (same core) preempted it for 0.2-1.4 ms.
+Without the progress thread it was worse (pooled medians 1.0-2.1 ms at 1k). Moving only
+the threads made while vLLM built the connector to the other core (a scratch toggle,
+``benchmarks/results/nixl_helpers_ab.md``): one request at a time, pooled medians
+0.45 -> 0.37 ms at 1k and 1.27 -> 1.00 ms at 4k, p90 halved; under ``disagg_load`` the
+same requests completed, but the graph's core then did the copies and 5 etcd leases were
+lost in 4 runs (none in 2 without, none in 16 the day before). Not shipped.
 """
 
 from __future__ import annotations
