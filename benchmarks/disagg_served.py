@@ -24,6 +24,13 @@ memcpy of the same bytes (numpy, this process) is measured in the same run, and 
 raw NIXL READ of them between two idle processes (``benchmarks/nixl_raw.py``; ``--raw-from
 file`` reads its stored result instead).
 
+etcd and NATS are started by this process (``--infra local``, the default), outside
+``dynamo serve``'s core keeper, so they may run on the engines' core. ``--infra serve``
+leaves them to ``dynamo serve`` (its children, as the README's first command starts them,
+kept off the engines' core with the rest of the graph). In four interleaved runs
+(``benchmarks/results/disagg_served_infra_ab.md``) that changed nothing for ``shm`` and
+1k-token NIXL transfers but made 4k-token NIXL transfers 3x slower (not understood).
+
 A transport may carry settings after ``@``, for an A/B of a setting in one run (same hour,
 same machine state): a VllmWorker key (``nixl@nixl-settle-us=0``), or a key of another
 component named with it (``nixl@PrefillWorker.engine-nice=0``); several are joined by ``@``.
@@ -34,6 +41,7 @@ component named with it (``nixl@PrefillWorker.engine-nice=0``); several are join
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -42,6 +50,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -117,13 +126,25 @@ def split_transport(transport: str) -> tuple[str, list[str]]:
     return spec, [f"--{setting_override(kv)}" for kv in settings]
 
 
-def run(requests: int, transport: str = "nixl") -> list[dict[str, Any]]:
+@contextlib.contextmanager
+def graph_infra(infra: str) -> Iterator[dict[str, str]]:
+    """The graph's environment: ``serve`` leaves etcd and NATS to ``dynamo serve`` (it
+    starts them as its children when none is configured, as the README's first command
+    does, and its core keeper keeps them off the engines' cores with the rest of the
+    graph); ``local`` starts them here, outside the keeper's reach."""
+    if infra == "local":
+        with local_infra(etcd=True, nats=True) as services:
+            yield bench.infra_env(services)
+        return
+    yield {**{k: v for k, v in os.environ.items() if k not in ("ETCD_ENDPOINTS", "NATS_SERVER")},
+           "PYTHONUNBUFFERED": "1"}
+
+
+def run(requests: int, transport: str = "nixl", infra: str = "local") -> list[dict[str, Any]]:
     model_dir = ensure_model(bench.REPO / "models" / "tiny-llama")
     port = free_port()
     rows: list[dict[str, Any]] = []
-    with local_infra(etcd=True, nats=True) as infra:
-        env = {**os.environ, "ETCD_ENDPOINTS": infra["etcd"].url,
-               "NATS_SERVER": infra["nats"].url, "PYTHONUNBUFFERED": "1"}
+    with graph_infra(infra) as env:
         cmd = [sys.executable, "-m", "dynagraph.cli.main", "serve", "graphs.disagg:Frontend",
                "-f", "configs/disagg.yaml", f"--Frontend.port={port}", f"--Common.model={model_dir}"]
         spec, overrides = split_transport(transport)
@@ -211,12 +232,15 @@ def main() -> int:
                     help="comma-separated: nixl, nixl:CODEC (e.g. nixl:int8), shm, tier, "
                          "tier:CODEC")
     ap.add_argument("--name", default="disagg_served")
+    ap.add_argument("--infra", choices=["serve", "local"], default="local",
+                    help="etcd and NATS started by dynamo serve (kept off the engines' cores "
+                         "with the graph) or by this script (outside the keeper's reach)")
     ap.add_argument("--raw-from", choices=["run", "file"], default="run",
                     help="raw NIXL reference: measured in this run (benchmarks/nixl_raw.py's "
                          "kv-blocks layout) or read from benchmarks/results/nixl_raw.json")
     args = ap.parse_args()
     transports = args.transports.split(",")
-    rows = [r for t in transports for r in run(args.requests, t)]
+    rows = [r for t in transports for r in run(args.requests, t, args.infra)]
     if args.raw_from == "run":  # raw NIXL READs (cold buffers) between two idle processes
         from benchmarks import nixl_raw
 
@@ -235,7 +259,8 @@ def main() -> int:
     text = ("# KV transfers as served (graphs.disagg), medians\n\n"
             f"`python benchmarks/disagg_served.py --requests {args.requests} --transports "
             f"{args.transports}`"
-            + (" --raw-from file" if args.raw_from == "file" else "") + ": `dynamo serve "
+            + (" --raw-from file" if args.raw_from == "file" else "")
+            + (" --infra serve" if args.infra == "serve" else "") + ": `dynamo serve "
             "graphs.disagg` with configs/disagg.yaml on the tiny model; transfer time and bytes "
             "from the decode worker's `dynamo_worker_kv_transfer_*` metrics per request; TTFT "
             "as the HTTP client sees it (streamed, 4 tokens). Raw NIXL: "
