@@ -11,8 +11,8 @@ workers to each of ``--transports`` in turn (rounds alternate the order); as in
 the graph is ready and ``--warmup`` seconds of load, ``--concurrency`` closed-loop clients
 stream ``--max-tokens`` greedy tokens for ``--window`` seconds; reported: requests
 completed in the window, errors, etcd leases the graph's processes found expired after
-it was ready (``benchmarks/engine_nice_probe.py``'s count), TTFT and inter-token p50 /
-p99. Writes
+it was ready (``benchmarks/engine_nice_probe.py``'s count; the first one's log line in the
+JSON), TTFT and inter-token p50 / p99. Writes
 ``benchmarks/results/<name>.{json,md}``.
 """
 

@@ -59,15 +59,16 @@ dedicated workers on that same core, and UCX does a same-host READ in worker pro
 the main thread and the progress thread take turns at the worker's spinlock, and the
 main thread spun ~0.1 ms a post (``pthread_spin_lock``), about as long as the copy. In
 ~15% of posts the prefill engine's main thread (same core) preempted it for 0.2-1.4 ms.
-Without the progress thread it was worse (pooled medians 1.0-2.1 ms at 1k). Moving only
-the threads made while vLLM built the connector to the other core (a scratch toggle,
-``benchmarks/results/nixl_helpers_ab.md``): one request at a time, pooled medians
-0.45 -> 0.37 ms at 1k and 1.27 -> 1.00 ms at 4k, p90 halved; under ``disagg_load`` the
-same requests completed, but the graph's core then did the copies and 5 etcd leases were
-lost in 4 runs (none in 2 without, none in 16 the day before). Not shipped. Nor was a
-larger ``UCX_CMA_TX_QUOTA`` (UCX copies one segment, here one 8 KiB descriptor, per
-progress, so a 1k READ is 256 lock hand-offs): 1024 made single transfers faster in 7 of
-8 interleaved pairs, but under load the graph completed 189 / 190 requests against
+Without the progress thread it was worse (run medians 0.99-2.1 ms at 1k against
+0.30-0.69 ms with it, scratch). Moving only the threads made while vLLM built the
+connector to the other core (a scratch toggle,
+``benchmarks/results/nixl_helpers_ab.md``): one request at a time, pooled medians 0.45
+-> 0.37 ms at 1k and 1.27 -> 1.00 ms at 4k, p90 halved; under ``disagg_load`` the same
+requests completed, but the graph's core then did the copies and 5 etcd leases were lost
+in 4 runs (none in 2 without, none in 16 earlier that day, stop 42). Not shipped. Nor
+was a larger ``UCX_CMA_TX_QUOTA`` (UCX copies one segment, here one 8 KiB descriptor,
+per progress, so a 1k READ is 256 lock hand-offs): 1024 made single transfers faster in
+7 of 8 interleaved pairs, but under load the graph completed 189 / 190 requests against
 201-264 with UCX's 1; 64 left load alone and was a coin toss one request at a time
 (``benchmarks/results/nixl_cma_quota_ab.md``).
 """
