@@ -66,11 +66,11 @@ connector to the other core (a scratch toggle,
 -> 0.37 ms at 1k and 1.27 -> 1.00 ms at 4k, p90 halved; under ``disagg_load`` the same
 requests completed, but the graph's core then did the copies and 5 etcd leases were lost
 in 4 runs (none in 2 without, none in 16 earlier that day, stop 42). Not shipped. Nor
-was a larger ``UCX_CMA_TX_QUOTA`` (UCX copies one segment, here one 8 KiB descriptor,
-per progress, so a 1k READ is 256 lock hand-offs): 1024 made single transfers faster in
-7 of 8 interleaved pairs, but under load the graph completed 189 / 190 requests against
-201-264 with UCX's 1; 64 left load alone and was a coin toss one request at a time
-(``benchmarks/results/nixl_cma_quota_ab.md``).
+was a larger ``UCX_CMA_TX_QUOTA`` (UCX copies one segment per progress call, at most one
+8 KiB descriptor here, so a 1k READ takes up to 256 calls and as many lock hand-offs):
+1024 made single transfers faster in 7 of 8 interleaved pairs, but under load the graph
+completed 189 / 190 requests against 201-264 with UCX's 1; 64 left load alone and was a
+coin toss one request at a time (``benchmarks/results/nixl_cma_quota_ab.md``).
 """
 
 from __future__ import annotations
