@@ -31,16 +31,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import _common as bench  # noqa: E402
 from benchmarks.chaos import load, short  # noqa: E402
-from benchmarks.disagg_served import split_transport  # noqa: E402
-from benchmarks.engine_nice_probe import LEASE_LOST  # noqa: E402
-from dynagraph.runtime.infra import free_port, local_infra  # noqa: E402
+from benchmarks.disagg_served import graph_infra, split_transport  # noqa: E402
+from benchmarks.engine_nice_probe import lost_leases  # noqa: E402
+from dynagraph.runtime.infra import free_port  # noqa: E402
 from tools.model_builder import ensure_model  # noqa: E402
 
 
 def run(a: argparse.Namespace, transport: str) -> dict[str, Any]:
     model_dir = ensure_model(bench.REPO / "models" / "tiny-llama")
     port = free_port()
-    with local_infra(etcd=True, nats=True) as infra:
+    with graph_infra("local") as env:
         cmd = [sys.executable, "-m", "dynagraph.cli.main", "serve",
                "graphs.disagg_router:Frontend", "-f", "configs/disagg_router.yaml",
                f"--Frontend.port={port}", f"--Common.model={model_dir}",
@@ -48,13 +48,12 @@ def run(a: argparse.Namespace, transport: str) -> dict[str, Any]:
         kind, overrides = split_transport(transport)
         cmd += [f"--VllmWorker.kv-transport={kind}", f"--PrefillWorker.kv-transport={kind}",
                 *overrides]
-        graph = bench.ManagedProcess(cmd, {**bench.infra_env(infra), "PYTHONUNBUFFERED": "1"},
-                                     name=f"disagg-load-{transport}")
+        graph = bench.ManagedProcess(cmd, env, name=f"disagg-load-{transport}")
         try:
             graph.wait_line(lambda s: s.startswith("dynamo serve: graph"), 300)
             ready_at = len(graph.lines)
             got, wall = asyncio.run(measure(f"http://127.0.0.1:{port}", a))
-            lost = [line for line in graph.lines[ready_at:] if LEASE_LOST in line]
+            lost = lost_leases(graph.lines[ready_at:])
         finally:
             graph.stop()
     ok = [r for r in got if r.error is None and not short(r, a.max_tokens)]

@@ -40,6 +40,11 @@ WORDS = [f"{a}{b}" for a in ("ka", "lo", "mi", "su", "te", "ra") for b in ("n", 
 LEASE_LOST = "no longer exists in etcd"
 
 
+def lost_leases(lines: list[str]) -> list[str]:
+    """The log lines of a graph's processes that found their etcd lease expired."""
+    return [line for line in lines if LEASE_LOST in line]
+
+
 def prompt(i: int) -> str:
     return f"Stream {i}: " + " ".join(WORDS[(i * 5 + j) % len(WORDS)] for j in range(120))
 
@@ -67,9 +72,10 @@ def one_graph(nice: int, requests: int, tokens: int, engine_cores: str = "keep-o
                 if r.status_code != 200:
                     errors.append(f"{r.status_code}: {r.text[:200]}")
             served = server.lines[ready_at:]
-            lost = sum(LEASE_LOST in line for line in served)
+            lost_lines = lost_leases(served)
+            lost = len(lost_lines)
             lost_by = sorted({line.split("]")[0].lstrip("[") if line.startswith("[")
-                              else "dynamo serve" for line in served if LEASE_LOST in line})
+                              else "dynamo serve" for line in lost_lines})
             keepalive = [line for line in served if "lease keepalive" in line][:10]
         finally:
             server.stop()
