@@ -14,6 +14,7 @@ import contextlib
 import logging
 import os
 import signal
+import time
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,7 +23,13 @@ from dynagraph.aio import cancel_and_wait
 from dynagraph.cli.startup import OutputFilter
 from dynagraph.cli.startup_output import StartupOutput
 from dynagraph.planner.connector import parse_replicas, scale_prefix
-from dynagraph.runtime.procfs import group_pids, shm_files, unlink_orphaned_shm
+from dynagraph.runtime.procfs import (
+    group_pids,
+    is_resource_tracker,
+    pid_alive,
+    shm_files,
+    unlink_orphaned_shm,
+)
 from dynagraph.sdk._graph import Graph
 from dynagraph.sdk._service import spec_of
 
@@ -76,17 +83,38 @@ class Child:
         return f"{self.component}[{self.index}]"
 
 
-def sweep_group(child: Child) -> None:
+TRACKER_GRACE_S = 2.0
+"""How long a swept group's multiprocessing resource trackers get to unlink what its
+killed processes registered (vLLM's semaphores) and exit, before they are killed too."""
+
+
+async def sweep_group(child: Child) -> None:
     """SIGKILL whatever is left in the child's process group (e.g. an engine core that
-    outlived a killed worker). Each child leads its own group (start_new_session)."""
+    outlived a killed worker). Each child leads its own group (start_new_session).
+
+    The shared-memory files the leftovers mapped are removed unless some other process
+    maps them. A multiprocessing resource tracker in the group is killed last: it is the
+    one that knows the semaphores of an engine core already gone (it unlinks them when
+    the last process holding its pipe exits, then exits too). Killed with the rest, it
+    leaves their ``/dev/shm/sem.mp-*`` files behind."""
     if child.proc is None:
         return
-    members = set(group_pids(child.proc.pid))
+    pgid = child.proc.pid
+    members = set(group_pids(pgid))
     segments = shm_files(sorted(members))  # before the kill: their maps go with them
+    trackers = {pid for pid in members if is_resource_tracker(pid)}
+    for pid in members - trackers:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + TRACKER_GRACE_S
+    # Not our children (nothing to await): poll /proc.
+    while any(map(pid_alive, trackers)) and time.monotonic() < deadline:  # noqa: ASYNC110
+        await asyncio.sleep(0.05)
     with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(child.proc.pid, signal.SIGKILL)
+        os.killpg(pgid, signal.SIGKILL)  # what is left, or was forked meanwhile
+    if members - trackers:
         log.warning("%s left processes behind; killed its process group", child.label)
-    removed = unlink_orphaned_shm(segments, members | {child.proc.pid})
+    removed = unlink_orphaned_shm(segments, members | {pgid})
     if removed:
         log.info("%s: removed %d shared-memory segments it left (%s)", child.label,
                  len(removed), ", ".join(removed))
@@ -180,7 +208,7 @@ class RuntimeScaling:
                 child.proc.kill()
             await asyncio.wait_for(child.proc.wait(), 5)
         finally:
-            sweep_group(child)
+            await sweep_group(child)
             if self.startup is not None:
                 self.startup.exited(child.name)
             if child.pump is not None:

@@ -404,7 +404,7 @@ class Supervisor(RuntimeScaling):
         log.error("%s (pid %d) exited with code %s", child.label, child.proc.pid, code)
         if self.startup is not None:
             self.startup.exited(child.name)
-        sweep_group(child)
+        await sweep_group(child)
         now = time.monotonic()
         child.restarts = [t for t in child.restarts if now - t < RESTART_WINDOW]
         if self.opts.restart == "never" or len(child.restarts) >= self.opts.max_restarts:
@@ -441,7 +441,7 @@ class Supervisor(RuntimeScaling):
             if pending:
                 await asyncio.wait(pending, timeout=5)
         for c in self.children:
-            sweep_group(c)
+            await sweep_group(c)
             if c.pump is not None:
                 with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
                     await asyncio.wait_for(c.pump, 2)

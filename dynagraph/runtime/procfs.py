@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["group_pids", "pid_alive", "shm_files", "unlink_orphaned_shm"]
+__all__ = ["group_pids", "is_resource_tracker", "pid_alive", "shm_files", "unlink_orphaned_shm"]
 
 
 def pid_alive(pid: int) -> bool:
@@ -39,18 +39,56 @@ def _stat(path: str) -> list[str] | None:
 
 
 def shm_files(pids: list[int]) -> set[str]:
-    """The ``/dev/shm`` files the processes ``pids`` have mapped."""
+    """The ``/dev/shm`` files the processes ``pids`` have mapped, by the names they have now.
+
+    A POSIX named semaphore (multiprocessing's ``/dev/shm/sem.mp-*``, vLLM's engine core
+    makes some) is mapped under the temporary name glibc created it with before it gave
+    the file its own: the map says ``/dev/shm/sem.XXXXXX (deleted)``. Such a file is found
+    by its inode among ``/dev/shm``'s entries."""
     found: set[str] = set()
+    renamed: set[int] = set()
     for pid in pids:
         try:
             with open(f"/proc/{pid}/maps") as f:
                 for line in f:
                     i = line.find("/dev/shm/")
-                    if i != -1:
-                        found.add(line[i:].rstrip("\n").removesuffix(" (deleted)"))
+                    if i == -1:
+                        continue
+                    path = line[i:].rstrip("\n")
+                    if path.endswith(DELETED):
+                        renamed.add(int(line.split(maxsplit=5)[4]))
+                    else:
+                        found.add(path)
         except (FileNotFoundError, ProcessLookupError, PermissionError):
             continue
+    if renamed:
+        found |= _names_of(renamed)
     return found
+
+
+DELETED = " (deleted)"
+"""How ``/proc/<pid>/maps`` marks a file whose mapped name is no longer linked."""
+
+
+def _names_of(inodes: set[int], root: str = "/dev/shm") -> set[str]:
+    """The entries directly in ``root`` whose inode is one of ``inodes``."""
+    try:
+        with os.scandir(root) as entries:
+            return {e.path for e in entries
+                    if e.inode() in inodes and e.is_file(follow_symlinks=False)}
+    except OSError:
+        return set()
+
+
+def is_resource_tracker(pid: int) -> bool:
+    """Whether ``pid`` is multiprocessing's resource tracker: once the last process that
+    registered a semaphore or segment with it is gone, it unlinks what they left, then
+    exits."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"multiprocessing.resource_tracker" in f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
 
 
 def unlink_orphaned_shm(paths: set[str], gone: set[int]) -> list[str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import mmap
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -44,3 +45,15 @@ def test_a_killed_group_s_segment_is_removed_and_a_shared_one_kept() -> None:
             own.unlink(missing_ok=True)
             shared.unlink(missing_ok=True)
     assert not pid_alive(group.pid)
+
+
+def test_a_semaphore_is_found_under_its_own_name() -> None:
+    """glibc maps a named semaphore under the temporary name it was created with."""
+    lock = multiprocessing.get_context("spawn").Lock()
+    name = lock._semlock.name  # type: ignore[attr-defined]
+    path = f"/dev/shm/sem.{name.lstrip('/')}"
+    try:
+        assert path in shm_files([os.getpid()])
+    finally:
+        del lock  # unlinks it
+    assert not Path(path).exists()
