@@ -27,6 +27,7 @@ from dynagraph.runtime.procfs import (
     group_pids,
     is_resource_tracker,
     pid_alive,
+    process_name,
     shm_files,
     unlink_orphaned_shm,
 )
@@ -103,7 +104,8 @@ async def sweep_group(child: Child) -> None:
     members = set(group_pids(pgid))
     segments = shm_files(sorted(members))  # before the kill: their maps go with them
     trackers = {pid for pid in members if is_resource_tracker(pid)}
-    for pid in members - trackers:
+    living = {pid: process_name(pid) for pid in members - trackers if pid_alive(pid)}
+    for pid in living:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + TRACKER_GRACE_S
@@ -112,8 +114,9 @@ async def sweep_group(child: Child) -> None:
         await asyncio.sleep(0.05)
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGKILL)  # what is left, or was forked meanwhile
-    if members - trackers:
-        log.warning("%s left processes behind; killed its process group", child.label)
+    if living:
+        log.warning("%s left processes behind (%s); killed its process group", child.label,
+                    ", ".join(f"{name} {pid}" for pid, name in sorted(living.items())))
     removed = unlink_orphaned_shm(segments, members | {pgid})
     if removed:
         log.info("%s: removed %d shared-memory segments it left (%s)", child.label,

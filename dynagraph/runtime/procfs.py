@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["group_pids", "is_resource_tracker", "pid_alive", "shm_files", "unlink_orphaned_shm"]
+__all__ = ["group_pids", "is_resource_tracker", "pid_alive", "process_name", "shm_files",
+           "unlink_orphaned_shm"]
 
 
 def pid_alive(pid: int) -> bool:
@@ -20,6 +21,15 @@ def pid_alive(pid: int) -> bool:
         return False
     return any((fields := _stat(f"/proc/{pid}/task/{tid}/stat")) and fields[0] not in "ZX"
                for tid in threads)
+
+
+def process_name(pid: int) -> str:
+    """``/proc/<pid>/comm`` (``?`` if the process is gone)."""
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except (FileNotFoundError, ProcessLookupError):
+        return "?"
 
 
 def group_pids(pgid: int) -> list[int]:
