@@ -17,6 +17,7 @@ import time
 
 import pytest
 
+from dynagraph.cli.core_keeper import split_processes
 from dynagraph.runtime.queue import NatsPrefillQueue
 from tests.e2e_disagg.conftest import (
     ACK_WAIT,
@@ -28,6 +29,7 @@ from tests.e2e_disagg.conftest import (
     text_of,
 )
 from tests.support.greedy import Greedy, assert_agrees
+from tests.support.memory import anon_huge_kib
 
 pytestmark = [pytest.mark.nixl, pytest.mark.vllm]
 
@@ -203,3 +205,16 @@ def test_every_remote_kv_was_read_within_its_lease(disagg_graph: DisaggGraph) ->
     expired = [line for line in disagg_graph.proc.lines
                if "Releasing expired KV blocks" in line or "Potentially invalid KV blocks" in line]
     assert expired == []
+
+
+def test_the_nixl_engines_kv_caches_are_in_huge_pages(disagg_graph: DisaggGraph) -> None:
+    """``huge-pages`` unset and ``kv-transport: nixl``: each engine's 1 GiB KV cache is in
+    transparent huge pages, where the kernel allows them (a NIXL read copies from them
+    about twice as fast as from 4 KiB pages)."""
+    engines, _ = split_processes(disagg_graph.proc.proc.pid)
+    assert len(engines) >= 3, engines  # a decode engine, two prefill engines
+    with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+        thp_off = "[never]" in f.read()
+    for pid in engines:
+        huge = anon_huge_kib(pid)
+        assert thp_off or huge >= 256 * 1024, f"engine {pid}: {huge} KiB in huge pages"

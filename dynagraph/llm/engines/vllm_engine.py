@@ -22,7 +22,7 @@ import os
 import sys
 import time
 import warnings
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, Literal
 
 from pydantic import (
@@ -44,6 +44,7 @@ from dynagraph.llm.engines.vllm_stats import (
     make_stat_logger_factory,
     no_prometheus_logger,
 )
+from dynagraph.llm.kv.shm_direct import ENV as KV_SHM_ENV
 from dynagraph.llm.kv.shm_transport import tier_dir
 from dynagraph.llm.router.hashing import BlockHasher, seed_from_env
 from dynagraph.runtime import progress
@@ -175,16 +176,27 @@ class VllmEngineArgs(BaseModel):
     19. Under ``dynamo serve`` (``--engine-cores keep-off``) the worker leaves it to the
     core keeper (``dynagraph.cli.core_keeper``): the engine stays at 0 while the graph
     keeps off its model runner's cores, and gets this value where it cannot."""
-    huge_pages: bool = True
+    huge_pages: bool | None = None
     """The engine's large CPU tensors (its KV cache, the weights) in transparent huge pages
-    (PyTorch's ``THP_MEM_ALLOC_ENABLE``; a no-op where the kernel's THP is ``never``). A KV
-    read between engines (``process_vm_readv`` under NIXL's UCX) copies from 2 MiB pages
-    at about twice the speed it copies from 4 KiB ones: measured on this machine, 2 MiB in
-    0.18-0.20 ms against 0.35-0.38 ms, the page walks of the 4 KiB source being the
-    difference (``perf``: 29% of the copying engine's samples in ``get_user_pages``);
+    (PyTorch's ``THP_MEM_ALLOC_ENABLE``; a no-op where the kernel's THP is ``never``).
+    Unset: on only where the KV cache stays in PyTorch's memory and peers read it over
+    NIXL (``kv-transport: nixl``); off elsewhere (``huge_pages_for``).
+
+    A KV read between engines (``process_vm_readv`` under NIXL's UCX) copies from 2 MiB
+    pages at about twice the speed it copies from 4 KiB ones: measured on this machine,
+    2 MiB in 0.18-0.20 ms against 0.35-0.38 ms, the page walks of the 4 KiB source being
+    the difference (``perf``: 29% of the copying engine's samples in ``get_user_pages``);
     numpy's large arrays, which the raw NIXL benchmark reads, get huge pages by default.
     Served (``benchmarks/disagg_served.py``, two A/B runs, 2026-12-05): 4k-token transfers
-    1.50 -> 0.97 and 1.39 -> 1.06 ms median. False: 4 KiB pages (``THP_MEM_ALLOC_ENABLE=0``)."""
+    1.50 -> 0.97 and 1.39 -> 1.06 ms median.
+
+    They cost start-up time on a KVM guest that reports free memory to its host
+    (virtio-balloon free page reporting, from 2 MiB blocks up): a huge page comes from
+    memory the host took back and faults in again on first touch. Here the 1 GiB cache
+    took 10 s to allocate in huge pages, 0.4 s in 4 KiB ones (agg graph ready in 30 s
+    against 20 s; disagg 28 s against 20 s). With ``kv-transport`` ``shm`` or ``auto``
+    the cache is moved to a memfd (4 KiB pages, ``shm_direct``), and the agg graph's
+    throughput did not move with huge pages, so elsewhere they buy nothing."""
     omp_spin_count: int | None = Field(default=OMP_SPIN_COUNT, ge=0)
     """How long the engine's OpenMP threads spin after a parallel region before they sleep
     (``GOMP_SPINCOUNT``, in spins of libgomp's wait loop, the OpenMP vLLM preloads on the
@@ -328,6 +340,15 @@ OMP_SPIN_ENV = "GOMP_SPINCOUNT"
 """libgomp's spin before a waiting thread sleeps (``omp-spin-count``; read at its start)."""
 
 
+def huge_pages_for(setting: bool | None, env: Mapping[str, str]) -> bool:
+    """``huge-pages`` as the engine gets it: an explicit setting, else on only where a
+    NIXL connector is set up (``prepare_nixl`` has set ``KV_SHM_ENV``) and the KV cache
+    stays in PyTorch's memory for it (not moved to shared memory)."""
+    if setting is not None:
+        return setting
+    return env.get(KV_SHM_ENV) == "0"
+
+
 def _apply_env(args: VllmEngineArgs) -> None:
     """Set what vLLM reads from the environment. Must run before vLLM is imported."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -335,7 +356,7 @@ def _apply_env(args: VllmEngineArgs) -> None:
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("VLLM_DO_NOT_TRACK", "1")
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(args.kv_cache_space_gib)
-    os.environ[HUGE_PAGES_ENV] = "1" if args.huge_pages else "0"
+    os.environ[HUGE_PAGES_ENV] = "1" if huge_pages_for(args.huge_pages, os.environ) else "0"
     if args.omp_spin_count is not None:
         os.environ[OMP_SPIN_ENV] = str(args.omp_spin_count)
     if args.engine_core_spin_s is not None:

@@ -25,9 +25,11 @@ from dynagraph.llm.engines.vllm_engine import (
     _apply_env,
     _finish_reason,
     _to_engine_outputs,
+    huge_pages_for,
     kv_transfer_config,
 )
 from dynagraph.llm.engines.vllm_stats import LoadTracker
+from dynagraph.llm.kv.shm_direct import ENV as KV_SHM_ENV
 
 
 @pytest.fixture(autouse=True)
@@ -83,11 +85,26 @@ def test_eager_turns_torch_compile_off_for_vllms_helpers_unless_told_otherwise(
     assert os.environ[DYNAMO_DISABLE_ENV] == "0"
 
 
-def test_engine_tensors_in_huge_pages_unless_turned_off(monkeypatch: pytest.MonkeyPatch
-                                                        ) -> None:
-    """PyTorch's allocator advises huge pages in the engine processes (a KV read copies
-    from them about twice as fast); ``huge-pages: false`` says no, whatever was set."""
+def test_huge_pages_only_where_peers_read_the_cache_over_nixl() -> None:
+    """Unset, ``huge-pages`` is on only for a NIXL engine whose KV cache stays in
+    PyTorch's memory (a read copies from huge pages about twice as fast); not for an
+    engine without NIXL, nor one whose cache moves to shared memory (huge pages there
+    only cost start-up time). An explicit setting wins."""
+    assert not huge_pages_for(None, {})
+    assert huge_pages_for(None, {KV_SHM_ENV: "0"})
+    assert not huge_pages_for(None, {KV_SHM_ENV: "1"})
+    assert huge_pages_for(True, {}) and huge_pages_for(True, {KV_SHM_ENV: "1"})
+    assert not huge_pages_for(False, {KV_SHM_ENV: "0"})
+
+
+def test_the_engine_processes_get_the_huge_pages_decision(monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    """PyTorch's ``THP_MEM_ALLOC_ENABLE``, read in the engine processes, says it."""
     monkeypatch.setenv(HUGE_PAGES_ENV, "")
+    monkeypatch.delenv(KV_SHM_ENV, raising=False)
+    _apply_env(VllmEngineArgs(model="m"))
+    assert os.environ[HUGE_PAGES_ENV] == "0"
+    monkeypatch.setenv(KV_SHM_ENV, "0")
     _apply_env(VllmEngineArgs(model="m"))
     assert os.environ[HUGE_PAGES_ENV] == "1"
     _apply_env(VllmEngineArgs.model_validate({"model": "m", "huge-pages": False}))
