@@ -91,3 +91,15 @@ def model_dir() -> Path:
     from tools.model_builder import ensure_model
 
     return ensure_model(MODEL_DIR)
+
+
+@pytest.fixture
+def restored_env() -> Iterator[None]:
+    """``os.environ`` put back after the test: ``prepare_nixl`` and an engine's start set
+    the engine's environment in this process, and no later test's engine may inherit it."""
+    saved = dict(os.environ)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)

@@ -48,6 +48,10 @@ def _stat(path: str) -> list[str] | None:
         return None
 
 
+DELETED = " (deleted)"
+"""How ``/proc/<pid>/maps`` marks a file whose mapped name is no longer linked."""
+
+
 def shm_files(pids: list[int]) -> set[str]:
     """The ``/dev/shm`` files the processes ``pids`` have mapped, by the names they have now.
 
@@ -74,10 +78,6 @@ def shm_files(pids: list[int]) -> set[str]:
     if renamed:
         found |= _names_of(renamed)
     return found
-
-
-DELETED = " (deleted)"
-"""How ``/proc/<pid>/maps`` marks a file whose mapped name is no longer linked."""
 
 
 def _names_of(inodes: set[int], root: str = "/dev/shm") -> set[str]:

@@ -6,7 +6,6 @@ and the engine does not start."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,17 +16,6 @@ from dynagraph.llm.kv.nixl_side import prepare_nixl
 from tests.vllm.conftest import TEST_BLOCK_SIZE
 
 pytestmark = [pytest.mark.vllm, pytest.mark.nixl, pytest.mark.timeout(300)]
-
-
-@pytest.fixture
-def restored_env() -> Iterator[None]:
-    """``prepare_nixl`` sets the engine's environment in this process: put it back."""
-    saved = dict(os.environ)
-    try:
-        yield
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
 
 
 @pytest.mark.asyncio(loop_scope="session")

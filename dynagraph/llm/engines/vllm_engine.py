@@ -190,13 +190,14 @@ class VllmEngineArgs(BaseModel):
     Served (``benchmarks/disagg_served.py``, two A/B runs, 2026-12-05): 4k-token transfers
     1.50 -> 0.97 and 1.39 -> 1.06 ms median.
 
-    They cost start-up time on a KVM guest that reports free memory to its host
-    (virtio-balloon free page reporting, from 2 MiB blocks up): a huge page comes from
-    memory the host took back and faults in again on first touch. Here the 1 GiB cache
-    took 10 s to allocate in huge pages, 0.4 s in 4 KiB ones (agg graph ready in 30 s
-    against 20 s; disagg 28 s against 20 s). With ``kv-transport`` ``shm`` or ``auto``
-    the cache is moved to a memfd (4 KiB pages, ``shm_direct``), and the agg graph's
-    throughput did not move with huge pages, so elsewhere they buy nothing."""
+    They cost start-up time here, most likely because this KVM guest reports free memory
+    to its host (virtio-balloon free page reporting, from 2 MiB blocks up): a huge page
+    comes from memory the host took back and faults in again on first touch. vLLM's
+    "engine initialised" step took 9.0-12.5 s with the 1 GiB cache in huge pages against
+    0.4-2.6 s in 4 KiB ones; the agg graph was ready in 31.0 s against 22.8 s
+    (``benchmarks/engine_startup.py``, 2026-12-06). With ``kv-transport`` ``shm`` or
+    ``auto`` the cache is moved to a memfd (4 KiB pages, ``shm_direct``), and the agg
+    graph's throughput did not move with huge pages, so elsewhere they buy nothing."""
     omp_spin_count: int | None = Field(default=OMP_SPIN_COUNT, ge=0)
     """How long the engine's OpenMP threads spin after a parallel region before they sleep
     (``GOMP_SPINCOUNT``, in spins of libgomp's wait loop, the OpenMP vLLM preloads on the
@@ -340,13 +341,14 @@ OMP_SPIN_ENV = "GOMP_SPINCOUNT"
 """libgomp's spin before a waiting thread sleeps (``omp-spin-count``; read at its start)."""
 
 
-def huge_pages_for(setting: bool | None, env: Mapping[str, str]) -> bool:
-    """``huge-pages`` as the engine gets it: an explicit setting, else on only where a
-    NIXL connector is set up (``prepare_nixl`` has set ``KV_SHM_ENV``) and the KV cache
-    stays in PyTorch's memory for it (not moved to shared memory)."""
-    if setting is not None:
-        return setting
-    return env.get(KV_SHM_ENV) == "0"
+def huge_pages_for(args: VllmEngineArgs, env: Mapping[str, str]) -> bool:
+    """``huge-pages`` as the engine gets it: an explicit setting, else on only for an
+    engine with a NIXL connector whose KV cache stays in PyTorch's memory (not moved to
+    shared memory: ``KV_SHM_ENV``, which ``prepare_nixl`` sets with the connector)."""
+    if args.huge_pages is not None:
+        return args.huge_pages
+    connector = (args.kv_transfer_config or {}).get("kv_connector")
+    return connector == "NixlConnector" and env.get(KV_SHM_ENV) != "1"
 
 
 def _apply_env(args: VllmEngineArgs) -> None:
@@ -356,7 +358,7 @@ def _apply_env(args: VllmEngineArgs) -> None:
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("VLLM_DO_NOT_TRACK", "1")
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(args.kv_cache_space_gib)
-    os.environ[HUGE_PAGES_ENV] = "1" if huge_pages_for(args.huge_pages, os.environ) else "0"
+    os.environ[HUGE_PAGES_ENV] = "1" if huge_pages_for(args, os.environ) else "0"
     if args.omp_spin_count is not None:
         os.environ[OMP_SPIN_ENV] = str(args.omp_spin_count)
     if args.engine_core_spin_s is not None:

@@ -20,6 +20,8 @@ from dynagraph.llm.kv.nixl_side import (
     settle_budget_from_env,
 )
 
+pytestmark = pytest.mark.usefixtures("restored_env")
+
 
 def test_prepare_nixl_sets_side_channel_and_config(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)

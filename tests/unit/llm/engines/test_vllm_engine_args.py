@@ -86,28 +86,30 @@ def test_eager_turns_torch_compile_off_for_vllms_helpers_unless_told_otherwise(
 
 
 def test_huge_pages_only_where_peers_read_the_cache_over_nixl() -> None:
-    """Unset, ``huge-pages`` is on only for a NIXL engine whose KV cache stays in
-    PyTorch's memory (a read copies from huge pages about twice as fast); not for an
-    engine without NIXL, nor one whose cache moves to shared memory (huge pages there
-    only cost start-up time). An explicit setting wins."""
-    assert not huge_pages_for(None, {})
-    assert huge_pages_for(None, {KV_SHM_ENV: "0"})
-    assert not huge_pages_for(None, {KV_SHM_ENV: "1"})
-    assert huge_pages_for(True, {}) and huge_pages_for(True, {KV_SHM_ENV: "1"})
-    assert not huge_pages_for(False, {KV_SHM_ENV: "0"})
+    """Unset, ``huge-pages`` is on only for an engine with a NIXL connector whose KV cache
+    stays in PyTorch's memory (a read copies from huge pages about twice as fast); not
+    for an engine without one (whatever the environment says), nor one whose cache moves
+    to shared memory (huge pages there only cost start-up time). A setting wins."""
+    plain = VllmEngineArgs(model="m")
+    nixl = VllmEngineArgs(model="m", kv_transfer_config={"kv_connector": "NixlConnector"})
+    assert not huge_pages_for(plain, {}) and not huge_pages_for(plain, {KV_SHM_ENV: "0"})
+    assert huge_pages_for(nixl, {}) and huge_pages_for(nixl, {KV_SHM_ENV: "0"})
+    assert not huge_pages_for(nixl, {KV_SHM_ENV: "1"})
+    assert huge_pages_for(plain.model_copy(update={"huge_pages": True}), {})
+    assert not huge_pages_for(nixl.model_copy(update={"huge_pages": False}), {})
 
 
 def test_the_engine_processes_get_the_huge_pages_decision(monkeypatch: pytest.MonkeyPatch
                                                           ) -> None:
     """PyTorch's ``THP_MEM_ALLOC_ENABLE``, read in the engine processes, says it."""
     monkeypatch.setenv(HUGE_PAGES_ENV, "")
-    monkeypatch.delenv(KV_SHM_ENV, raising=False)
-    _apply_env(VllmEngineArgs(model="m"))
-    assert os.environ[HUGE_PAGES_ENV] == "0"
     monkeypatch.setenv(KV_SHM_ENV, "0")
     _apply_env(VllmEngineArgs(model="m"))
+    assert os.environ[HUGE_PAGES_ENV] == "0"
+    _apply_env(VllmEngineArgs(model="m", kv_transfer_config={"kv_connector": "NixlConnector"}))
     assert os.environ[HUGE_PAGES_ENV] == "1"
-    _apply_env(VllmEngineArgs.model_validate({"model": "m", "huge-pages": False}))
+    _apply_env(VllmEngineArgs.model_validate(
+        {"model": "m", "huge-pages": False, "kv-transfer-config": {"kv_connector": "NixlConnector"}}))
     assert os.environ[HUGE_PAGES_ENV] == "0"
 
 
