@@ -16,6 +16,7 @@ import logging
 import math
 import os
 import platform
+import re
 import shutil
 import signal
 import subprocess
@@ -165,6 +166,10 @@ def machine_info() -> dict[str, Any]:
 
 
 # -- processes ----------------------------------------------------------------------------
+
+READY_BANNER = re.compile(r"dynamo serve: graph \S+ ready in ([0-9.]+)s")
+"""``dynamo serve``'s ready banner; group 1: the seconds it says it took."""
+
 
 def serve_command(graph: str, config: str, port: int, model_dir: Path,
                   *args: str) -> list[str]:

@@ -17,11 +17,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from benchmarks._common import ManagedProcess
+from benchmarks._common import READY_BANNER, ManagedProcess
 from dynagraph.runtime.discovery import EtcdDiscovery
 from dynagraph.runtime.infra import LocalService, free_port, local_infra
-
-READY_RE = re.compile(r"dynamo serve: graph \S+ ready in ([0-9.]+)s")
 
 
 @dataclass
@@ -52,7 +50,7 @@ def serve_graph(target: str, config: str, overrides: list[str], *,
         server = ManagedProcess(cmd, env, name=target)
         try:
             line, at = server.wait_line(lambda s: "dynamo serve: graph " in s, ready_timeout)
-            m = READY_RE.search(line)
+            m = READY_BANNER.search(line)
             yield Served(server, f"http://127.0.0.1:{port}", infra["etcd"], infra["nats"],
                          float(m.group(1)) if m else float("nan"), at - t0)
         finally:

@@ -30,16 +30,17 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._common import (  # noqa: E402
+    READY_BANNER,
     REPO,
     ManagedProcess,
     load_average,
     markdown_table,
     publish,
+    serve_command,
 )
 
 log = logging.getLogger("bench.engine_startup")
 
-BANNER = re.compile(r"dynamo serve: graph \S+ ready in ([0-9.]+)s")
 ENGINE_INIT = re.compile(r"^\[ *[\d.]+s\] (\w+\[\d+\]) +loading: engine initialised in ([0-9.]+) s")
 ENGINES = {"agg": ["VllmWorker"], "agg_router": ["VllmWorker"],
            "disagg": ["VllmWorker", "PrefillWorker"],
@@ -60,15 +61,13 @@ def variant_args(variant: str) -> tuple[str, list[str]]:
 
 def one_run(variant: str, model_dir: Path, ready_timeout: float) -> dict[str, Any]:
     graph, args = variant_args(variant)
-    cmd = [sys.executable, "-m", "dynagraph.cli.main", "serve", f"graphs.{graph}:Frontend",
-           "-f", f"configs/{graph}.yaml", "--Frontend.port=0", f"--Common.model={model_dir}",
-           *args]
+    cmd = serve_command(graph, graph, 0, model_dir, *args)
     out: dict[str, Any] = {"variant": variant, "loadavg_1m": load_average()}
     t0 = time.monotonic()
     proc = ManagedProcess(cmd, {**os.environ, "PYTHONUNBUFFERED": "1"},
                           name=f"dynamo serve ({variant})")
     try:
-        _, t_ready = proc.wait_line(lambda s: BANNER.search(s) is not None, ready_timeout)
+        _, t_ready = proc.wait_line(lambda s: READY_BANNER.search(s) is not None, ready_timeout)
         out["ready_s"] = round(t_ready - t0, 2)
         out["engine_init_s"] = {m.group(1): float(m.group(2)) for s in proc.lines
                                 if (m := ENGINE_INIT.search(s))}

@@ -37,6 +37,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._common import (  # noqa: E402
+    READY_BANNER,
     REPO,
     ManagedProcess,
     load_average,
@@ -50,7 +51,6 @@ TARGET = "benchmarks._lifecycle_graph:First"
 COMPONENTS = ["First", "Second", "Third", "Fourth", "Fifth"]
 TARGET_READY_S = 3.0
 TARGET_STOP_S = 2.0
-BANNER = re.compile(r"dynamo serve: graph \S+ ready in ([0-9.]+)s")
 MILESTONES: dict[str, re.Pattern[str]] = {
     "etcd_up": re.compile(r"started a local etcd"),
     "nats_up": re.compile(r"started a local nats-server"),
@@ -113,7 +113,7 @@ def one_run(env: dict[str, str], ready_timeout: float) -> dict[str, Any]:
     out: dict[str, Any] = {"loadavg_1m": load_average()}
     try:
         try:
-            line, t_ready = proc.wait_line(lambda s: BANNER.search(s) is not None, ready_timeout)
+            line, t_ready = proc.wait_line(lambda s: READY_BANNER.search(s) is not None, ready_timeout)
         except TimeoutError as exc:
             log.error("run failed: %s", str(exc).splitlines()[0])
             out["error"] = str(exc).splitlines()[0]
@@ -121,7 +121,7 @@ def one_run(env: dict[str, str], ready_timeout: float) -> dict[str, Any]:
                           or s.startswith("[") and "INFO" not in s][-60:]
             return out
         out["ready_s"] = t_ready - t0
-        out["supervisor_ready_s"] = float(BANNER.search(line).group(1))  # type: ignore[union-attr]
+        out["supervisor_ready_s"] = float(READY_BANNER.search(line).group(1))  # type: ignore[union-attr]
         first, _ = proc.wait_line(lambda s: s.lstrip().startswith("First[0]"), 5)
         m = re.search(r"rpc=(\S+)", first)
         assert m is not None, first

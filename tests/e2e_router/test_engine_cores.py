@@ -10,13 +10,13 @@ and then for the keeper's next scans to settle."""
 
 from __future__ import annotations
 
-import asyncio
-import time
+import contextlib
 
 import pytest
 
 from dynagraph.cli.core_keeper import INTERVAL_S
 from tests.support.cores import assert_cores_kept
+from tests.support.poll import until
 from tests.support.serve import ServeProcess
 
 from ._probe import GraphProbe
@@ -27,12 +27,14 @@ pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="package")]
 async def test_engines_yield_to_the_graph_only_where_they_share_its_cores(
         router_graph: ServeProcess, probe: GraphProbe) -> None:
     await probe.wait_workers(2)
-    deadline = time.monotonic() + 5 * INTERVAL_S
-    while True:
+
+    def kept() -> bool:
         try:
             assert_cores_kept(router_graph.proc.pid, router_graph.output())
-            return
         except AssertionError:
-            if time.monotonic() > deadline:
-                raise
-        await asyncio.sleep(INTERVAL_S / 4)
+            return False
+        return True
+
+    with contextlib.suppress(AssertionError):  # the check below says what is wrong
+        await until(kept, 5 * INTERVAL_S, "the keeper's scans to settle", INTERVAL_S / 4)
+    assert_cores_kept(router_graph.proc.pid, router_graph.output())
