@@ -40,6 +40,14 @@ free and the engine at 0 (as now) 1.13x / 0.96x and 1.01x / 1.07x; kept free, en
 Kept free at 0 made more than shared at 19 in 11 of the 12 rounds the two ran side by
 side. Niceness only goes up without privileges, so an engine once reniced stays so.
 
+Tried and not kept (scratch, 2026-12-06): the graph's own processes at niceness 10 while
+they keep off the runners' cores (every thread, and the autogroup of each process without
+an engine in it), so that the engine core, which floats onto the graph's cores, would win
+them at each step's boundary. Under ``vllm bench serve`` at 16 streams that made fewer
+tokens per second in four of five interleaved pairs (median 3,747 against 4,496), and at
+64 streams 7,302 / 7,340 against 7,610 / 7,465: the engine core waited about half as long
+on the run queue, the Frontend twice as long.
+
 ``dynamo serve`` itself is not bound, so a component it starts or restarts begins with
 every core; threads created later in a bound process inherit its binding. An engine
 started by a worker already bound (a restart, a scale-up) would inherit it too, and vLLM
