@@ -311,21 +311,21 @@ def measure(servers: dict[str, tuple[ManagedProcess, str]], args: argparse.Names
             "paired_ttft_diff_ms": summarize(paired), "throughput_rounds": rounds}
 
 
-def aggregate(m: dict[str, Any], system: str) -> dict[str, float]:
+def aggregate(m: dict[str, Any], system: str) -> dict[str, Any]:
     if system not in m["latency"]:
         return {}
     lat = m["latency"][system]
     mine = [r for r in m["throughput_rounds"] if r["system"] == system]
 
     def med(f: Any) -> float:
-        return statistics.median(f(r["stats"]) for r in mine)
+        return float(statistics.median(f(r["stats"]) for r in mine))
 
     return {
         "ttft_p50_ms": lat["ttft_ms"]["p50"],
         "ttft_p99_ms": lat["ttft_ms"]["p99"],
         "latency_tpot_p50_ms": lat["tpot_ms"]["p50"],
         "tokens_per_s": med(lambda s: s["output_tokens_per_s"]),
-        "tokens_per_s_rounds": [r["stats"]["output_tokens_per_s"] for r in mine],  # type: ignore[dict-item]
+        "tokens_per_s_rounds": [r["stats"]["output_tokens_per_s"] for r in mine],
         "tput_itl_p50_ms": med(lambda s: s["itl_ms"]["p50"]),
         "tput_tpot_p50_ms": med(lambda s: s["tpot_ms"]["p50"]),
         "tput_ttft_p50_ms": med(lambda s: s["ttft_ms"]["p50"]),

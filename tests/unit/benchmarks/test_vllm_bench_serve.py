@@ -5,7 +5,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from benchmarks.vllm_bench_serve import bench_command, cpu_per_token, met, ratios, summarize_level
+from benchmarks.vllm_bench_serve import (
+    bench_command,
+    cpu_per_token,
+    markdown,
+    met,
+    ratios,
+    summarize_level,
+)
 
 
 def _args(**kw: object) -> argparse.Namespace:
@@ -52,6 +59,33 @@ def test_ratios_are_per_round_and_the_overhead_in_ms() -> None:
     assert met(level["vs_vllm"]["ours-nice0"]) == {
         "output_tok_s": True, "ttft_p99": True, "ttft_p50_overhead": True}
     assert level["median"]["vllm"]["output_tok_s"] == 1000
+
+
+def test_rounds_where_a_server_stalled_are_counted_and_left_out_of_the_steady_median() -> None:
+    runs = {"ours": [_row(1000, 50, 120), _row(1000, 50, 900), _row(1100, 50, 100),
+                     _row(900, 50, 100)],
+            "vllm": [_row(500, 300, 2000), _row(1000, 50, 100), _row(1000, 50, 100),
+                     _row(1000, 50, 100)]}
+    versus = summarize_level(runs)["vs_vllm"]["ours"]
+    assert versus["stalled_rounds"] == {"ours": [1], "vllm": [0]}
+    assert versus["steady_rounds"] == 2
+    assert versus["ratio_median"]["output_tok_s"] == 1.05  # 2.0, 1.0, 1.1, 0.9
+    assert versus["steady_ratio_median"]["output_tok_s"] == 1.0  # 1.1, 0.9
+    assert versus["steady_ratio_median"]["ttft_p50_overhead_ms"] == 0.0
+    every = summarize_level({"ours": [_row(1, 1, 600)], "vllm": [_row(1, 1, 100)]})
+    assert every["vs_vllm"]["ours"]["steady_ratio_median"] is None
+
+
+def test_the_report_shows_the_stalls_and_the_steady_ratios() -> None:
+    runs = {"ours": [_row(1000, 50, 120), _row(1100, 50, 100)],
+            "vllm": [_row(500, 300, 2000), _row(1000, 50, 100)]}
+    result = {"command": "c", "machine": {"at": "t", "cpus": 2, "loadavg_1m": 0.5},
+              "vllm_version": "v", "failures": [],
+              "settings": {"dataset": "random", "input_len": 128, "output_len": 128,
+                           "num_prompts": 0, "rounds": 2, "systems": "ours,vllm"},
+              "levels": {"16": summarize_level(runs)}, "runs": {"16": runs}}
+    text = markdown(result)
+    assert "| 16 | ours | 0 / 1 of 2 | 1 | 1.1x | 1.0x | 1.0x | 1.0x | +0 |" in text
 
 
 def test_cpu_per_token_splits_the_engine_from_the_rest_and_leaves_out_infra() -> None:
