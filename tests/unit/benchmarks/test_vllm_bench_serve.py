@@ -86,6 +86,9 @@ def test_the_report_shows_the_stalls_and_the_steady_ratios() -> None:
               "levels": {"16": summarize_level(runs)}, "runs": {"16": runs}}
     text = markdown(result)
     assert "| 16 | ours | 0 / 1 of 2 | 1 | 1.1x | 1.0x | 1.0x | 1.0x | +0 |" in text
+    assert "all up for the whole run" in text
+    result["settings"]["alone"] = True
+    assert "one at a time, each started afresh for every round" in markdown(result)
 
 
 def test_cpu_per_token_splits_the_engine_from_the_rest_and_leaves_out_infra() -> None:
