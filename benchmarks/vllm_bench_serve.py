@@ -17,7 +17,7 @@ each round starts each server afresh (order rotated per round), runs every concu
 against it and stops it. vLLM's server stalls now and then at the start of a wave of
 requests (a whole wave's TTFT 0.6-4.2 s, nothing streaming meanwhile), and it stalled more
 often with our agg graph up and idle beside it: in 21 of 37 runs (``_s45``, ``_s45b`` and
-four scratch runs at 16 streams, 2026-12-06) against 3 of 15 alone (``_s45_alone`` and
+four scratch runs at 16 streams, 2026-12-06) against 6 of 25 alone (``_s45_alone``, ``_alone2`` and
 one scratch run). Our idle graph used ~0.02 CPU s per run, and no TCP retransmission or
 listen drop was counted; why is not known. Ours did not stall beside vLLM's idle server.
 So ``--alone`` is the fairer layout; it costs two server starts per round.
