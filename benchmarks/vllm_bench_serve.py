@@ -282,9 +282,12 @@ def markdown(result: dict[str, Any]) -> str:
             st, med = versus["stalled_rounds"], versus["steady_ratio_median"]
             cells = [f"{len(st['ours'])} / {len(st['vllm'])} of {n}",
                      str(versus["steady_rounds"])]
-            cells += ([f"{med[k]}x" for k in ("output_tok_s", "ttft_p50_ms", "ttft_p99_ms",
-                                              "tpot_p50_ms")]
-                      + [f"{med['ttft_p50_overhead_ms']:+}"] if med else ["-"] * 5)
+            if med is None:  # every round had a stall
+                cells += ["-"] * 5
+            else:
+                cells += [f"{med[k]}x" for k in ("output_tok_s", "ttft_p50_ms", "ttft_p99_ms",
+                                                 "tpot_p50_ms")]
+                cells.append(f"{med['ttft_p50_overhead_ms']:+}")
             lines.append(f"| {c} | {system} | " + " | ".join(cells) + " |")
     cpu = [(c, system, rows) for c, runs in result["runs"].items()
            for system, rows in runs.items()
