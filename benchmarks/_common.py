@@ -165,6 +165,15 @@ def machine_info() -> dict[str, Any]:
     }
 
 
+def run_line(command: str, machine: dict[str, Any], *, python: bool = False) -> str:
+    """A report's opening: the command, when it ran and on what (``machine_info``), without
+    the closing full stop: `` `cmd` at T, [Python V, ]N CPUs, 1-min load average L at
+    start``."""
+    py = f"Python {machine['python']}, " if python else ""
+    return (f"`{command}` at {machine['at']}, {py}{machine['cpus']} CPUs, "
+            f"1-min load average {machine['loadavg_1m']:.2f} at start")
+
+
 # -- processes ----------------------------------------------------------------------------
 
 READY_BANNER = re.compile(r"dynamo serve: graph \S+ ready in ([0-9.]+)s")

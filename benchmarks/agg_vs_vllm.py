@@ -55,6 +55,7 @@ from benchmarks._common import (  # noqa: E402
     machine_info,
     percentile,
     process_tree_cpu,
+    run_line,
     run_load,
     stream_request,
     stream_stats,
@@ -357,9 +358,8 @@ def markdown(result: dict[str, Any], args: argparse.Namespace) -> str:
     lines = [
         "# Agg graph vs vLLM's own OpenAI server",
         "",
-        f"`{result['command']}` at {m['at']}, Python {m['python']}, {m['cpus']} CPUs, "
-        f"1-min load average {m['loadavg_1m']:.2f} at start "
-        "(provisional: 2-core machine shared with other jobs).",
+        run_line(result["command"], m, python=True)
+        + " (provisional: 2-core machine shared with other jobs).",
         f"Model `{args.model}`, block size 32, max-model-len {args.max_model_len}, "
         f"max-num-seqs {args.max_num_seqs}, 1 GiB KV cache, eager, engine core in a child "
         f"process for both. Prompts {args.prompt_tokens} random token ids; "

@@ -36,6 +36,7 @@ from benchmarks._common import (  # noqa: E402
     load_average,
     markdown_table,
     publish,
+    run_line,
     serve_command,
 )
 
@@ -99,8 +100,7 @@ def markdown(data: dict[str, Any]) -> str:
     lines = [
         "# Graph start-up with vLLM engines",
         "",
-        f"`{data['command']}` at {m['at']}, {m['cpus']} CPUs, 1-min load average "
-        f"{m['loadavg_1m']:.2f} at start. Ready: spawning `dynamo serve` to reading its "
+        run_line(data["command"], m) + ". Ready: spawning `dynamo serve` to reading its "
         "ready banner. `engine initialised`: vLLM's profiling, KV cache allocation and "
         "warm-up, as each engine worker's progress line reports it.",
         "",

@@ -42,6 +42,7 @@ from benchmarks._common import (  # noqa: E402
     ManagedProcess,
     load_average,
     machine_info,
+    run_line,
     write_results,
 )
 
@@ -180,9 +181,8 @@ def markdown(result: dict[str, Any]) -> str:
     lines = [
         "# `dynamo serve` lifecycle: a five-component graph",
         "",
-        f"`{result['command']}` at {m['at']}, Python {m['python']}, {m['cpus']} CPUs, "
-        f"1-min load average {m['loadavg_1m']:.2f} at start "
-        "(provisional: 2-core machine shared with other jobs).",
+        run_line(result["command"], m, python=True)
+        + " (provisional: 2-core machine shared with other jobs).",
         f"Graph `{TARGET}` (five light components, no engine), {result['runs']} runs per "
         "mode. Ready = spawn to ready banner read; stop = SIGTERM to the supervisor until it "
         "exited.",

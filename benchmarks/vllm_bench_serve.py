@@ -60,6 +60,7 @@ from benchmarks._common import (  # noqa: E402
     cpu_delta,
     machine_info,
     process_tree_cpu,
+    run_line,
     wait_quiet,
     write_results,
 )
@@ -229,8 +230,7 @@ def markdown(result: dict[str, Any]) -> str:
                  f"{s['input_len']}-token suffixes")
     lines = [
         "# `vllm bench serve`: our agg graph vs vLLM's own server", "",
-        f"`{result['command']}` at {result['machine']['at']}, {result['machine']['cpus']} "
-        f"CPUs, 1-min load average {result['machine']['loadavg_1m']:.2f} at start.",
+        run_line(result["command"], result["machine"]) + ".",
         f"vLLM {result['vllm_version']}'s own benchmark client (`python -m tools.vllm_cli bench "
         f"serve --backend openai`), {load}, {s['output_len']} output tokens (ignore_eos), "
         f"{s['num_prompts'] or '4 x concurrency'} prompts per run, {s['rounds']} rounds, "
