@@ -38,7 +38,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 # The engines run as served (prepare_nixl: each engine one vLLM engine-core process with
-# its model runner inside, see dynagraph.llm.kv.nixl_side.IN_PROCESS_ENV); run with
+# its model runner inside, see dynagraph.llm.kv.transfer.nixl_side.IN_PROCESS_ENV); run with
 # VLLM_ENABLE_V1_MULTIPROCESSING=1 for vLLM's default engine-core + worker processes.
 
 from dynagraph.llm.disagg.coordinator import (  # noqa: E402
@@ -50,8 +50,9 @@ from dynagraph.llm.disagg.coordinator import (  # noqa: E402
 from dynagraph.llm.disagg.policy import DisaggConfig, LiveDisaggSettings  # noqa: E402
 from dynagraph.llm.disagg.prefill import PrefillJobHandler, serve_queue  # noqa: E402
 from dynagraph.llm.engines.base import SamplingSpec  # noqa: E402
-from dynagraph.llm.engines.vllm_engine import VllmEngine, VllmEngineArgs  # noqa: E402
-from dynagraph.llm.kv.nixl_side import prepare_nixl  # noqa: E402
+from dynagraph.llm.engines.vllm.args import VllmEngineArgs  # noqa: E402
+from dynagraph.llm.engines.vllm.engine import VllmEngine  # noqa: E402
+from dynagraph.llm.kv.transfer.nixl_side import prepare_nixl  # noqa: E402
 from dynagraph.runtime.infra import start_nats  # noqa: E402
 from dynagraph.runtime.queue import NatsPrefillQueue, ReplyTarget  # noqa: E402
 from tools.model_builder import ensure_model  # noqa: E402
@@ -234,7 +235,7 @@ def write(summary: list[dict[str, Any]], rows: list[dict[str, Any]], args: Any) 
             "# Disaggregated prefill: per-request breakdown (medians)\n\n"
             f"`python benchmarks/disagg.py --requests {args.requests}`: tiny Llama, block 32, "
             "decode engine on core 0, prefill engine on core 1, real NATS queue, NIXL over UCX "
-            "(NIXL progress thread with a poll delay, `nixl_quiet`). TTFT is measured at the engines (no HTTP). "
+            "(NIXL progress thread with a poll delay, `nixl_connector`). TTFT is measured at the engines (no HTTP). "
             "Raw NIXL: `benchmarks/nixl_raw.py`, kv-blocks layout of the same size. "
             "Provisional: shared 2-core VM.\n\n" + text + "\n")
     return text

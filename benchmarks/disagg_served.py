@@ -9,9 +9,9 @@ client sees (streamed completion). Prompts are fresh (no prefix-cache hits); the
 request of each size is a warm-up (NIXL handshake and connection wire-up).
 
 ``--transports nixl,shm,tier,tier:int8`` serves the graph once per transport. ``shm``
-(``kv-transport: shm``, ``dynagraph.llm.kv.shm_direct``): both engines' KV caches in
+(``kv-transport: shm``, ``dynagraph.llm.kv.transfer.shm_direct``): both engines' KV caches in
 shared memory, the decode engine copies the prefill engine's blocks (read from the same
-metrics as NIXL's). ``tier`` (``kv-transport: tier``, ``dynagraph.llm.kv.shm_transport``):
+metrics as NIXL's). ``tier`` (``kv-transport: tier``, ``dynagraph.llm.kv.transfer.tier_handoff``):
 decode and prefill worker share a KV tier on /dev/shm, and the decode worker's transfer is
 what it reads: tier -> pool (``dynamo_worker_kv_tier_read_*``) plus pool -> engine
 (``dynamo_worker_kv_pool_load_seconds_total``, ``..._loaded_bytes_total``); the prefill

@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from dynagraph.llm.kv import wire_codec  # noqa: E402
 from dynagraph.llm.kv.codec import GROUP, codec  # noqa: E402
+from dynagraph.llm.kv.transfer import wire_codec  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

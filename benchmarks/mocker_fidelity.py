@@ -84,7 +84,7 @@ def _args() -> argparse.Namespace:
                         "--vllm-arg=--VllmWorker.engine-nice=0 (repeatable)")
     p.add_argument("--profile", default="cpu-tiny",
                    help="the MockerWorker's profile: a shipped name or a JSON path "
-                        "(e.g. one from tools.profile_vllm_cpu --as-served graph)")
+                        "(e.g. one from benchmarks.profiling.profile_vllm_cpu --as-served graph)")
     return p.parse_args()
 
 

@@ -1,6 +1,6 @@
 """NIXL progress-thread modes: KV READ latency (with a completion notification) and idle CPU.
 
-Why ``dynagraph.llm.kv.nixl_quiet`` keeps NIXL's progress thread but gives it a poll delay.
+Why ``dynagraph.llm.kv.transfer.nixl_connector`` keeps NIXL's progress thread but gives it a poll delay.
 Two processes, as a decode (initiator) and a prefill (target) engine: the initiator
 READs 2 MiB in 4 descriptors (vLLM's merged layout for a 1k-token prompt of the tiny
 model) with a notification, like vLLM's NixlConnector, and checks for completion every
@@ -9,7 +9,7 @@ model) with a notification, like vLLM's NixlConnector, and checks for completion
 
 - ``no-thread``: no progress thread; UCX moves only when an agent is polled;
 - ``busy``: NIXL's default (thread on, ``pthrDelay = 0`` hard-coded in ``nixl._api``);
-- ``delay-N``: thread on, ``pthrDelay = N`` us, set the way ``nixl_quiet`` sets it.
+- ``delay-N``: thread on, ``pthrDelay = N`` us, set the way ``nixl_connector`` sets it.
 
 Agents are made as vLLM makes them (``num_threads=4``, NIXL's threaded UCX engine);
 ``--num-threads 0`` gives the plain UCX engine, whose progress thread behaves differently.
@@ -50,7 +50,7 @@ def _agent(name: str, delay_us: int | None, num_threads: int) -> Any:
     import nixl._api as api
     from nixl._api import nixl_agent, nixl_agent_config
 
-    from dynagraph.llm.kv.nixl_side import delayed_agent_config
+    from dynagraph.llm.kv.transfer.nixl_side import delayed_agent_config
 
     if delay_us is not None:  # 0 included: the modes run one after another here
         api.nixlBind.nixlAgentConfig = delayed_agent_config(api.nixlBind.nixlAgentConfig,

@@ -11,7 +11,7 @@ Layouts, for the KV sizes of a 1k- and a 4k-token prompt of the tiny model (64 K
 - ``kv-scattered``: the same descriptors every other block (nothing merges);
 - ``contiguous``: one descriptor of the whole size.
 
-Both agents run without NIXL's progress thread, as the engines do (``nixl_quiet``); the
+Both agents run without NIXL's progress thread, as the engines do (``nixl_connector``); the
 target polls ``get_new_notifs`` every 0.5 ms instead, as a vLLM engine does every step.
 ``--progress-thread`` turns the thread on for comparison.
 

@@ -7,7 +7,7 @@ Workload (defaults): 64 workers, each holding exactly 100,000 blocks:
     BlockStored event per turn (parent = the previous turn's last block).
 
 Ours is built twice. As the Router builds it: from what the workers' relays send
-(``dynagraph.llm.kv.relay``: per worker, one ``RelayBatch`` per vLLM batch of 4 events,
+(``dynagraph.llm.kv.events.relay``: per worker, one ``RelayBatch`` per vLLM batch of 4 events,
 the blocks it newly holds, without parents), applied with ``RelayBatch.apply_to``.
 And from vLLM's events themselves, parents included: what a relay that passed the
 parents on would give (the index keeps chains together only when it knows them).
@@ -58,7 +58,7 @@ from typing import Any
 
 import msgspec
 
-from dynagraph.llm.kv.relay import BlockSet
+from dynagraph.llm.kv.events.relay import BlockSet
 from dynagraph.llm.router.events import (
     BlocksStored,
     KvEvent,

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field
@@ -91,8 +91,8 @@ class FfnWorker(Component):
     @async_on_start
     async def start(self) -> None:
         from dynagraph.llm.afd.ffn import VllmFfn
+        from dynagraph.llm.afd.metrics import register_ffn_stats
         from dynagraph.llm.afd.server import FfnServer
-        from dynagraph.observability.afd_metrics import register_ffn_stats
         from dynagraph.runtime.addresses import host_id
 
         cfg, rt = self.config, self.runtime
@@ -119,7 +119,7 @@ class FfnWorker(Component):
             await asyncio.to_thread(self.server.stop)
 
     @endpoint()
-    async def info(self, request: FfnInfoRequest) -> AsyncIterator[dict[str, Any]]:
+    async def info(self, request: FfnInfoRequest) -> AsyncGenerator[dict[str, Any], None]:
         """What this worker holds, where it listens, and its call counters."""
         assert self.server is not None and self.peer is not None
         s = self.server.stats

@@ -38,7 +38,15 @@ from dynagraph.llm.tenants import SECRET_ENV, Authenticator, Signer, TenantToken
 from dynagraph.llm.tenants.slo import SloClass, default_slo_classes
 from dynagraph.runtime.addresses import advertised
 from dynagraph.runtime.discovery import InstanceWatch
-from dynagraph.sdk import Component, async_on_shutdown, async_on_start, depends, service
+from dynagraph.sdk import (
+    Component,
+    async_on_shutdown,
+    async_on_start,
+    call,
+    depends,
+    instance_ids,
+    service,
+)
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +109,7 @@ class Frontend(Component):
 
     def ready(self) -> bool:
         workers = self._workers.instances() if self._workers is not None else []
-        return bool(workers) and bool(self.processor.instance_ids())
+        return bool(workers) and bool(instance_ids(self.processor.generate))
 
     def models(self) -> list[ModelInfo]:
         workers = self._workers.instances() if self._workers is not None else []
@@ -111,7 +119,7 @@ class Frontend(Component):
     async def tokenize(self, kind: TokenizeKind, model: str, body: dict[str, Any]
                        ) -> dict[str, Any]:
         envelope = TokenizeEnvelope(kind=kind, model=model, body=body)
-        stream = self.processor.tokenize(envelope.to_wire())
+        stream = self.processor.tokenize(envelope)
         async with contextlib.aclosing(stream):
             async for answer in stream:
                 return dict(answer)
@@ -120,11 +128,10 @@ class Frontend(Component):
     async def generate(self, request: OpenAIRequest, request_id: str,
                        tenant: TenantToken | None = None) -> AsyncIterator[TextChunk]:
         envelope = OpenAIRequestEnvelope.wrap(request, request_id, tenant)
-        stream = self.processor.generate(envelope.to_wire(),
-                                         headers={"x-request-id": request_id})
+        stream = call(self.processor.generate, envelope, headers={"x-request-id": request_id})
         async with contextlib.aclosing(stream):
-            async for raw in stream:
-                yield TextChunk.from_wire(raw)
+            async for chunk in stream:
+                yield chunk
 
     @async_on_start
     async def start(self) -> None:

@@ -4,7 +4,7 @@ Inputs, per live ``VllmWorker`` instance (or instance of the component linked in
 place, e.g. ``MockerWorker``; from discovery; an instance whose lease expires is dropped
 from the index and the load table at once):
 
-- its ``kv_events`` stream (a snapshot, then net deltas; see ``dynagraph.llm.kv.relay``)
+- its ``kv_events`` stream (a snapshot, then net deltas; see ``dynagraph.llm.kv.events.relay``)
   mirrored into one ``PrefixIndex`` under the worker's instance id;
 - its ``load_metrics`` stream (``EngineLoad`` about 10 times a second). A worker
   whose load stream is down (crashed, lease not yet expired) is not chosen while
@@ -51,10 +51,9 @@ import logging
 import math
 import random
 import time
-from collections.abc import AsyncIterator, Callable, Collection
-from typing import Any, ClassVar
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Collection
+from typing import Any, ClassVar, TypeVar
 
-import msgspec
 from pydantic import Field, field_validator
 
 from components.worker import VllmWorker
@@ -62,6 +61,7 @@ from dynagraph.aio import cancel_and_wait
 from dynagraph.config import ConfigModel
 from dynagraph.errors import DynagraphError
 from dynagraph.llm.engines.base import EngineLoad
+from dynagraph.llm.protocol import Release, Subscribe
 from dynagraph.llm.router import (
     BlockHasher,
     CostModel,
@@ -72,6 +72,7 @@ from dynagraph.llm.router import (
     RouterMode,
     RouterState,
 )
+from dynagraph.llm.router.metrics import RouterMetrics
 from dynagraph.llm.router.pressure import (
     DEFAULT_CLASS_OVERLAP_WEIGHTS,
     PressureView,
@@ -80,14 +81,15 @@ from dynagraph.llm.router.pressure import (
 from dynagraph.llm.router.rebalance import releases
 from dynagraph.llm.tenants import Signer, cache_salt_of
 from dynagraph.llm.tenants.slo_admission import Action
-from dynagraph.observability.router_metrics import RouterMetrics
 from dynagraph.runtime.live_settings import LiveSpec
 from dynagraph.sdk import (
     Component,
     async_on_shutdown,
     async_on_start,
     depends,
+    direct,
     endpoint,
+    endpoint_client,
     service,
     spec_of,
 )
@@ -99,13 +101,14 @@ REBALANCE_EVERY_S = 0.25
 REASK_AFTER_S = 1.0
 """A worker asked to hand requests back is not asked again for this long."""
 DEFAULT_POOL_BLOCK_SECONDS = 0.0001
-"""Loading one 32-token block of the tiny model from the host pool (0.1 ms, measured by
-``benchmarks/kv_offload.py``); a larger model's block costs more, but so does computing it."""
+"""Seconds to load one 32-token block of the tiny model from the host pool (from
+``benchmarks/kv_offload.py``'s result); a larger model's block costs more, but so does
+computing it."""
 
 DEFAULT_TIER_BLOCK_SECONDS = 0.0002
-"""Loading one such block from the tier under the pools (``kv-offload-dir``): a file read
-into the pool, then the pool's load (0.05-0.11 ms per block measured by
-``benchmarks/disagg_served.py --transports shm``, rounded up: dearer than the pool)."""
+"""Seconds to load one such block from the tier under the pools (``kv-offload-dir``): a
+file read into the pool, then the pool's load (from ``benchmarks/disagg_served.py
+--transports shm``'s result, rounded up: dearer than the pool)."""
 
 
 class RouterConfig(ConfigModel):
@@ -150,6 +153,9 @@ class RouterConfig(ConfigModel):
 
 LIVE = LiveSpec(RouterConfig, ("mode", "cost-model", "overlap-weight", "temperature"))
 """Router settings that can change at run time (``/{ns}/settings/Router/<name>``)."""
+
+
+T = TypeVar("T")
 
 
 def _label(worker_id: int) -> str:
@@ -207,8 +213,9 @@ class Router(Component):
             tier = info.metadata.get("kv_tier")
             self.state.set_tier(w, tier if isinstance(tier, str) else None)
             self._tasks[w] = [
-                asyncio.create_task(self._follow(w, "kv_events", self._on_kv), name=f"kv-{w:x}"),
-                asyncio.create_task(self._follow(w, "load_metrics", self._on_load),
+                asyncio.create_task(self._follow(w, self.worker.kv_events, self._on_kv),
+                                    name=f"kv-{w:x}"),
+                asyncio.create_task(self._follow(w, self.worker.load_metrics, self._on_load),
                                     name=f"load-{w:x}"),
             ]
             log.info("worker %x joined", w)
@@ -229,16 +236,16 @@ class Router(Component):
                       "Router (%d, %s): its cache hits will not be seen",
                       w, size, algo, self.hasher.block_size, self.hasher.algo)
 
-    def _on_kv(self, w: int, item: Any) -> None:
-        self.state.apply(w, RelayBatch.from_wire(item))
+    def _on_kv(self, w: int, batch: RelayBatch) -> None:
+        self.state.apply(w, batch)
         self.metrics.kv_event_batch(_label(w))
         self.metrics.index_blocks(_label(w), self.state.index.num_blocks(w),
                                   self.state.pooled.num_blocks(w),
                                   self.state.tiered.num_blocks(w))
 
-    def _on_load(self, w: int, item: Any) -> None:
+    def _on_load(self, w: int, load: EngineLoad) -> None:
         now = time.monotonic()
-        self.state.set_load(w, EngineLoad.model_validate(item), now)
+        self.state.set_load(w, load, now)
         self.metrics.prefill_tokens_per_second(
             _label(w), 1.0 / self.state.rates(w, now).prefill_s_per_token)
         self._rebalance(now)
@@ -265,24 +272,25 @@ class Router(Component):
     async def _release(self, w: int, count: int) -> None:
         try:
             async with asyncio.timeout(5):
-                async for reply in self.worker.direct({"count": count}, w, endpoint="release"):
+                async for reply in direct(self.worker.release, Release(count=count), w):
                     log.debug("worker %x handed back %s of %d waiting requests", w,
-                              reply.get("released"), count)
+                              reply.released, count)
         except (DynagraphError, TimeoutError) as exc:  # an older worker, or it just left
             log.debug("worker %x release: %s", w, exc)
 
-    async def _follow(self, w: int, endpoint_name: str,
-                      handle: Callable[[int, Any], None]) -> None:
+    async def _follow(self, w: int, subscription: Callable[[Subscribe], AsyncIterator[T]],
+                      handle: Callable[[int, T], None]) -> None:
         """Keep one stream of worker ``w`` open until ``w`` leaves (this task is cancelled)."""
+        name = endpoint_client(subscription).endpoint
         while True:
             try:
-                stream = self.worker.direct({}, w, endpoint=endpoint_name)
+                stream = direct(subscription, Subscribe(), w)
                 async with contextlib.aclosing(stream):
                     async for item in stream:
                         handle(w, item)
-            except (DynagraphError, msgspec.ValidationError, ValueError) as exc:
-                log.debug("worker %x %s stream: %s", w, endpoint_name, exc)
-            if endpoint_name == "load_metrics":
+            except (DynagraphError, ValueError) as exc:
+                log.debug("worker %x %s stream: %s", w, name, exc)
+            if name == "load_metrics":
                 self.state.set_load(w, None)
             await asyncio.sleep(self.config.reconnect_delay)
 
@@ -335,7 +343,7 @@ class Router(Component):
         return decision, hashes, mode
 
     @endpoint()
-    async def generate(self, request: RouteRequest) -> AsyncIterator[dict[str, Any]]:
+    async def generate(self, request: RouteRequest) -> AsyncGenerator[RouteDecision, None]:
         t0 = time.perf_counter()
         now = time.monotonic()
         decision, hashes, mode = self.route(request.token_ids, request.mode, request.workers,
@@ -370,9 +378,9 @@ class Router(Component):
             self.state.begin(w, hashes, key=key, uncached_tokens=uncached, now=now)
             self.pressure.begin(w)
         try:
-            yield msgspec.to_builtins(RouteDecision(
+            yield RouteDecision(
                 worker_id=w, overlap_blocks=overlap,
-                request_blocks=len(hashes), mode=mode, pressure=pressure, verdict=verdict))
+                request_blocks=len(hashes), mode=mode, pressure=pressure, verdict=verdict)
             if track:
                 await asyncio.sleep(self.config.track_timeout)
         finally:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import msgspec
@@ -29,13 +29,14 @@ from dynagraph.aio import cancel_and_wait
 from dynagraph.llm.disagg import (
     DisaggWorkerKeys,
     JobOutcome,
+    PrefillAck,
     PrefillJobHandler,
     reply_through,
     serve_queue,
 )
+from dynagraph.llm.disagg.metrics import PrefillQueueMetrics
 from dynagraph.llm.engines.mocker import MockerEngine, MockerEngineArgs
 from dynagraph.llm.engines.mocker.serving import engine_args
-from dynagraph.observability.disagg_metrics import PrefillQueueMetrics
 from dynagraph.runtime.queue import NatsPrefillQueue, PrefillQueue
 from dynagraph.sdk import Component, async_on_shutdown, async_on_start, endpoint, service
 
@@ -120,14 +121,15 @@ class MockerPrefillWorker(Component):
         await self.engine.shutdown()
 
     @endpoint()
-    async def status(self, request: PrefillStatus) -> AsyncIterator[dict[str, Any]]:
+    async def status(self, request: PrefillStatus) -> AsyncGenerator[dict[str, Any], None]:
         yield {"engine_id": self.engine.engine_id, "outcomes": dict(self.outcomes),
                "load": self.engine.load().model_dump()}
 
     @endpoint()
-    async def kv_fetched(self, request: KvFetched) -> AsyncIterator[dict[str, Any]]:
-        """The decode side read ``request.request_id``'s blocks: free them."""
-        yield {"released": self.engine.release_transfer(request.request_id)}
+    async def kv_fetched(self, request: KvFetched) -> AsyncGenerator[PrefillAck, None]:
+        """The decode side read ``request.request_id``'s blocks: free them (``accepted``:
+        they were this engine's and still held)."""
+        yield PrefillAck(accepted=self.engine.release_transfer(request.request_id))
 
     def _count(self, outcome: JobOutcome) -> None:
         self.outcomes[outcome.status] = self.outcomes.get(outcome.status, 0) + 1

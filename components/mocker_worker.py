@@ -40,10 +40,9 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any, ClassVar
 
-import msgspec
 from pydantic import Field
 
 from components.mocker_prefill_worker import KV_FETCHED_ENDPOINT, KvFetched
@@ -54,18 +53,19 @@ from dynagraph.llm.disagg import DecodeDisaggKeys
 from dynagraph.llm.disagg.decode import DecodeDisagg
 from dynagraph.llm.disagg.policy import LIVE as DISAGG_LIVE
 from dynagraph.llm.disagg.policy import DisaggConfig
+from dynagraph.llm.engines.metrics import register_engine_load
 from dynagraph.llm.engines.mocker import KvTransferRegistry, MockerEngine, MockerEngineArgs
 from dynagraph.llm.engines.mocker.serving import engine_args
-from dynagraph.llm.kv.relay import KvEventFeed
-from dynagraph.llm.protocol import PreprocessedRequest
+from dynagraph.llm.kv.events.relay import KvEventFeed
+from dynagraph.llm.protocol import LLMEngineOutput, PreprocessedRequest
 from dynagraph.llm.router.events import KvEvent
 from dynagraph.llm.tenants import Signer, cache_salt_of
-from dynagraph.observability.worker_metrics import register_engine_load
 from dynagraph.runtime.live_settings import LiveSpec
 from dynagraph.sdk import (
     async_on_shutdown,
     async_on_start,
     depends,
+    direct,
     endpoint,
     service,
 )
@@ -147,7 +147,8 @@ class MockerWorker(DecodeWorkerEndpoints):
             task.cancel()
 
     @endpoint()
-    async def generate(self, request: PreprocessedRequest) -> AsyncIterator[dict[str, Any]]:
+    async def generate(self, request: PreprocessedRequest
+                       ) -> AsyncGenerator[LLMEngineOutput, None]:
         kv_params = None
         salt = cache_salt_of(self.signer, request.tenant)
         if self.disagg is not None:
@@ -180,10 +181,11 @@ class MockerWorker(DecodeWorkerEndpoints):
         task.add_done_callback(self._tasks.discard)
 
     async def _tell_fetched(self, instance: int, request_id: str) -> None:
-        msg = msgspec.to_builtins(KvFetched(request_id=request_id))
+        # an endpoint of the stand-in (MockerPrefillWorker), not of PrefillWorker: by name
+        kv_fetched = getattr(self.prefill, KV_FETCHED_ENDPOINT)
         try:
             async with asyncio.timeout(RELEASE_TIMEOUT_S):
-                stream = self.prefill.direct(msg, instance, endpoint=KV_FETCHED_ENDPOINT)
+                stream = direct(kv_fetched, KvFetched(request_id=request_id), instance)
                 async with contextlib.aclosing(stream):
                     async for _ in stream:
                         pass

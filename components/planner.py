@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any, Literal
 
 from pydantic import Field
@@ -111,7 +111,7 @@ class Planner(Component):
         rt = self.runtime
         ns = getattr(self.decode, "namespace", rt.namespace)
         watch = await rt.discovery.watch_instances(ns, self.decode_component, "load_metrics")
-        self.follower = LoadFollower(self.decode, watch)
+        self.follower = LoadFollower(self.decode.load_metrics, watch)
         if self.prefill is not None and rt.nats_url is not None:
             self.queue = NatsPrefillQueue(rt.nats_url, rt.namespace,
                                           ack_wait=self.config.prefill_queue_ack_wait,
@@ -132,7 +132,7 @@ class Planner(Component):
             await self.queue.close()
 
     @endpoint()
-    async def status(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async def status(self, request: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
         """Targets, serving counts and the decisions so far (``since``: from that index)."""
         since = int(request.get("since", 0))
         target = self.target or Replicas(0, 0)

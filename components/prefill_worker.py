@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any, ClassVar
 
 import msgspec
@@ -38,11 +38,13 @@ from dynagraph.llm.disagg import (
     reply_through,
     serve_queue,
 )
-from dynagraph.llm.engines.vllm_engine import VllmEngine, VllmEngineArgs, block_hasher
-from dynagraph.llm.kv.nixl_side import nixl_key, prepare_nixl
-from dynagraph.llm.kv.shm_transport import offer
-from dynagraph.llm.kv.tier_trim import TierJanitor, tier_janitor
-from dynagraph.observability.disagg_metrics import PrefillQueueMetrics
+from dynagraph.llm.disagg.metrics import PrefillQueueMetrics
+from dynagraph.llm.engines.vllm.args import VllmEngineArgs
+from dynagraph.llm.engines.vllm.engine import VllmEngine
+from dynagraph.llm.engines.vllm.kv_config import block_hasher
+from dynagraph.llm.kv.offload.tier_trim import TierJanitor, tier_janitor
+from dynagraph.llm.kv.transfer.nixl_side import nixl_key, prepare_nixl
+from dynagraph.llm.kv.transfer.tier_handoff import offer
 from dynagraph.runtime.live_settings import LiveSpec
 from dynagraph.runtime.queue import NatsPrefillQueue
 from dynagraph.sdk import Component, async_on_shutdown, async_on_start, endpoint, service
@@ -159,7 +161,7 @@ class PrefillWorker(Component):
         await self.engine.shutdown()
 
     @endpoint()
-    async def status(self, request: PrefillStatus) -> AsyncIterator[dict[str, Any]]:
+    async def status(self, request: PrefillStatus) -> AsyncGenerator[dict[str, Any], None]:
         yield {"nixl": self.nixl.record(), "outcomes": dict(self.outcomes),
                "hold_before_reply_s": self.faults.current.hold_before_reply_s}
 

@@ -24,15 +24,13 @@ Picking a worker (``router-mode``):
   worker fails before its first output (dead, unreachable), the next live worker is
   tried (logged; the client sees no error).
 
-SLO-aware admission (``slo-admission``, ``dynagraph.llm.tenants.slo_admission``; needs the
-Router): a request of a deferrable class (``batch``) asks the Router with an admission
-gate; the Router judges the candidates' pressure and counts the request only if it admits
-it, in one step. Deferrable requests take turns, in arrival order: only the first asks,
-and a delayed one is not counted (a waiting request is no load) and asks again every
-``delay-step`` s; it is refused with 429 and ``Retry-After`` when the workers
-are far over or it has waited ``max-delay`` s (a Router that does not answer counts as
-pressure: the request waits too). Other classes are always sent on. Only a request's
-first dispatch is judged, never a migration.
+SLO-aware admission (``slo-admission``; needs the Router): a request of a deferrable class
+(``batch``) asks the Router with an admission gate; the Router judges the candidates'
+pressure (``dynagraph.llm.tenants.slo_admission``) and counts the request only if it
+admits it, in one step. Deferrable requests take turns and wait here
+(``dynagraph.llm.tenants.turns``); past their limit they are refused with 429 and
+``Retry-After``. Other classes are always sent on. Only a request's first dispatch is
+judged, never a migration.
 
 Migration (``dynagraph.llm.migration``): a worker stream that breaks after output has
 started continues on another worker of the model (prompt + tokens already sent), up to
@@ -64,7 +62,6 @@ from dynagraph.errors import (
     InvalidRequest,
     NoInstancesError,
     RequestPlaneError,
-    RequestShed,
     StreamBroken,
 )
 from dynagraph.llm.api.tools import TOOL_PARSERS
@@ -75,10 +72,13 @@ from dynagraph.llm.migration import Attempt, migrating
 from dynagraph.llm.model_tokenizers import ModelContext, PreprocessorCache
 from dynagraph.llm.models import ModelDirectory, ServedModel
 from dynagraph.llm.postprocess import ResponseAssembler, assemble_stream
+from dynagraph.llm.processor_metrics import ProcessorMetrics
 from dynagraph.llm.protocol import (
     DetokenizeRequest,
+    LLMEngineOutput,
     OpenAIRequestEnvelope,
     PreprocessedRequest,
+    TextChunk,
     TokenizeEnvelope,
     TokenizeRequest,
     TokenizeResponse,
@@ -86,15 +86,19 @@ from dynagraph.llm.protocol import (
 from dynagraph.llm.router import RouteDecision, RouteRequest, RouterMode
 from dynagraph.llm.tenants import Signer, TenantToken, verified
 from dynagraph.llm.tenants.slo import SloClass, default_slo_classes
-from dynagraph.llm.tenants.slo_admission import (
-    Action,
-    SloAdmission,
-    SloAdmissionConfig,
-    Verdict,
-)
-from dynagraph.observability.processor_metrics import ProcessorMetrics
+from dynagraph.llm.tenants.slo_admission import SloAdmissionConfig
+from dynagraph.llm.tenants.turns import AdmissionTurns
 from dynagraph.runtime.round_robin import RoundRobin
-from dynagraph.sdk import Component, depends, endpoint, failover, service
+from dynagraph.sdk import (
+    Component,
+    depends,
+    direct,
+    endpoint,
+    failover,
+    instance_ids,
+    instances,
+    service,
+)
 
 log = logging.getLogger(__name__)
 
@@ -154,8 +158,7 @@ class Processor(Component):
         self.metrics = ProcessorMetrics(self.runtime.registry)
         self.signer = Signer.from_env()
         try:
-            self.slo = SloAdmission(config.slo_admission, config.slo_classes)
-            self._turn = asyncio.Lock()  # deferrable requests ask the Router one at a time
+            self.turns = AdmissionTurns(config.slo_admission, config.slo_classes, self.metrics)
         except ConfigError as exc:
             raise ConfigError(str(exc), component="Processor", key="slo-admission") from None
         self.use_router = config.router_mode in ("kv", "kv-load")
@@ -165,7 +168,7 @@ class Processor(Component):
             self.use_router = False
 
     @endpoint()
-    async def generate(self, request: OpenAIRequestEnvelope) -> AsyncIterator[dict[str, Any]]:
+    async def generate(self, request: OpenAIRequestEnvelope) -> AsyncGenerator[TextChunk, None]:
         timer = self.metrics.request()
         try:
             tenant = verified(self.signer, request.tenant)
@@ -185,7 +188,7 @@ class Processor(Component):
                 stream = self._dispatch(pre, candidates, tenant)
                 async with contextlib.aclosing(detokenize_stream(detok, stream)) as chunks:
                     async for chunk in chunks:
-                        yield chunk.to_wire()
+                        yield chunk
                 return
             assembler = timer.timed(ResponseAssembler(ctx.preprocessor.tokenizer, ctx.texts,
                                                       plan))
@@ -193,12 +196,12 @@ class Processor(Component):
             streams = [self._dispatch(p.request, candidates, tenant) for p in plan.prompts]
             async with contextlib.aclosing(assemble_stream(assembler, streams)) as chunks:
                 async for chunk in chunks:
-                    yield chunk.to_wire()
+                    yield chunk
         finally:
             timer.finished()
 
     @endpoint()
-    async def tokenize(self, request: TokenizeEnvelope) -> AsyncIterator[dict[str, Any]]:
+    async def tokenize(self, request: TokenizeEnvelope) -> AsyncGenerator[dict[str, Any], None]:
         """``/tokenize`` and ``/detokenize`` for the model the body names."""
         pre = (await self._context(request.model)).preprocessor
         if request.kind == "detokenize":
@@ -215,7 +218,7 @@ class Processor(Component):
             count=len(ids), max_model_len=pre.max_model_len or 0, tokens=ids, token_strs=strs))
 
     def _served(self) -> dict[str, ServedModel]:
-        return self._models.models(self.worker.endpoint("generate").instances())
+        return self._models.models(instances(self.worker.generate))
 
     async def _context(self, name: str) -> ModelContext:
         models = self._served()
@@ -237,26 +240,26 @@ class Processor(Component):
         return served.instance_ids if served is not None else ()
 
     def _dispatch(self, pre: PreprocessedRequest, candidates: Callable[[], tuple[int, ...]],
-                  tenant: TenantToken | None = None) -> AsyncGenerator[dict[str, Any], None]:
+                  tenant: TenantToken | None = None) -> AsyncGenerator[LLMEngineOutput, None]:
         """The worker stream for ``pre`` on ``candidates()`` (the live workers of its model,
         asked per attempt), continued on another of them if its worker fails mid-stream."""
         if tenant is not None:
             pre = msgspec.structs.replace(pre, tenant=tenant)
         first = True
 
-        def attempt(req: PreprocessedRequest, at: Attempt) -> AsyncGenerator[dict[str, Any], None]:
+        def attempt(req: PreprocessedRequest, at: Attempt) -> AsyncGenerator[LLMEngineOutput, None]:
             nonlocal first
             judged, first = first, False
             if self.use_router:
                 return self._routed(req, candidates(), at, admission=judged)
-            return self._first_reachable(req.to_wire(), None, candidates(), at)
+            return self._first_reachable(req, None, candidates(), at)
 
         return migrating(pre, attempt, limit=self.config.migration_limit,
                          on_migrate=self.metrics.migrated)
 
     async def _routed(self, pre: PreprocessedRequest, candidates: tuple[int, ...],
                       attempt: Attempt, *, admission: bool = False
-                      ) -> AsyncGenerator[dict[str, Any], None]:
+                      ) -> AsyncGenerator[LLMEngineOutput, None]:
         """The worker's stream for ``pre``, on the worker the Router picks; with
         ``admission``, once SLO-aware admission lets it through (``RequestShed`` if not)."""
         allowed = attempt.allowed(candidates)
@@ -264,25 +267,26 @@ class Processor(Component):
         ask = RouteRequest(pre.token_ids, track=True, mode=RouterMode(self.config.router_mode),
                            tenant=pre.tenant, workers=allowed,
                            slo_class=slo_class if pre.tenant is not None else None)
-        gated = admission and self.slo.deferrable(slo_class)
+        turns = self.turns
+        gated = admission and turns.deferrable(slo_class)
         began = time.monotonic()
         if gated:
-            await self._take_turn(pre.request_id, slo_class, began)
+            await turns.take(pre.request_id, slo_class, began)
         holding = gated  # the turn: released once the Router has admitted (and counted) it
         try:
             while True:
                 waited = time.monotonic() - began
                 if gated:
-                    ask = msgspec.structs.replace(ask, admission=self.slo.gate(slo_class, waited))
-                route = self.router.generate(msgspec.to_builtins(ask))
+                    ask = msgspec.structs.replace(ask, admission=turns.gate(slo_class, waited))
+                route = self.router.generate(ask)
                 async with contextlib.aclosing(route):
                     decision = await self._decision(route)
-                    wait = self._admission_wait(pre.request_id, slo_class, decision,
-                                                waited) if gated else 0.0
+                    wait = turns.wait_s(pre.request_id, slo_class, decision,
+                                        waited) if gated else 0.0
                     if not wait:
                         if holding:
                             holding = False
-                            self._turn.release()
+                            turns.release()
                         async for item in self._on_worker(pre, decision, allowed, candidates,
                                                           attempt):
                             yield item
@@ -290,83 +294,39 @@ class Processor(Component):
                 await asyncio.sleep(wait)  # not counted by the Router meanwhile
         finally:
             if holding:
-                self._turn.release()
+                turns.release()
 
-    async def _take_turn(self, request_id: str, slo_class: str, began: float) -> None:
-        """Wait, in arrival order, until no other deferrable request is asking the Router;
-        ``RequestShed`` past ``max-delay``. One asker at a time: with every waiting request
-        asking every ``delay-step`` s, a hundred of them under an overload kept the
-        Processor and the Router so busy that the Processor missed its stream heartbeats."""
-        limit = self.config.slo_admission.max_delay
-        try:
-            async with asyncio.timeout(limit):
-                await self._turn.acquire()
-        except TimeoutError:
-            raise self._shed(request_id, slo_class, self.slo.gate(
-                slo_class, time.monotonic() - began).gave_up("in line for admission")) from None
-
-    def _admission_wait(self, request_id: str, slo_class: str,
-                        decision: RouteDecision | None, waited: float) -> float:
-        """0 to go on now, else the seconds to wait before asking again; ``RequestShed`` if
-        the request is shed. The Router's verdict counts (judged where the request is
-        counted); a Router that sent none is judged here from its pressure snapshot."""
-        if decision is None:
-            # no Router answer in router-timeout s: the pressure is unknown and a Router
-            # too busy to answer is a sign of it, so deferrable work waits (the untracked
-            # round-robin fallback would let a flood of it through uncounted)
-            verdict = self.slo.gate(slo_class, waited).unanswered()
-        else:
-            verdict = decision.verdict or self.slo.decide(decision.pressure, slo_class, waited)
-        log.debug("request %s (%s): %s -> %s", request_id, slo_class,
-                  decision.pressure if decision is not None else "no decision", verdict)
-        if verdict.action is Action.ADMIT:
-            if waited > 0:
-                self.metrics.slo_delayed(slo_class, waited)
-            return 0.0
-        if verdict.action is Action.SHED:
-            raise self._shed(request_id, slo_class, verdict)
-        if waited == 0:
-            log.info("request %s delayed: %s", request_id, verdict.reason)
-        return verdict.delay_s
-
-    def _shed(self, request_id: str, slo_class: str, verdict: Verdict) -> RequestShed:
-        """Count and log a shed request; the error to raise (429 with Retry-After)."""
-        self.metrics.slo_shed(slo_class)
-        log.info("request %s shed: %s", request_id, verdict.reason)
-        return RequestShed(verdict.reason, retry_after=verdict.retry_after, code="slo_shed")
-
-    async def _decision(self, route: AsyncIterator[dict[str, Any]]) -> RouteDecision | None:
+    async def _decision(self, route: AsyncIterator[RouteDecision]) -> RouteDecision | None:
         try:
             async with asyncio.timeout(self.config.router_timeout):
-                return msgspec.convert(await anext(route), RouteDecision)
-        except (RequestPlaneError, TimeoutError, StopAsyncIteration,
-                msgspec.ValidationError) as exc:
+                return await anext(route)
+        except (RequestPlaneError, TimeoutError, StopAsyncIteration) as exc:
             log.warning("Router gave no decision (%s: %s): round robin (deferrable work "
                         "waits)", type(exc).__name__, exc)
             return None
 
     async def _on_worker(self, pre: PreprocessedRequest, decision: RouteDecision | None,
                          allowed: list[int], candidates: tuple[int, ...], attempt: Attempt
-                         ) -> AsyncGenerator[dict[str, Any], None]:
+                         ) -> AsyncGenerator[LLMEngineOutput, None]:
         """The stream of the worker ``decision`` names (round robin without one)."""
         chosen = decision.worker_id if decision is not None else None
         if chosen is not None and chosen not in allowed:
             log.warning("Router chose worker %x, which cannot take this request", chosen)
             chosen = None
-        stream = self._first_reachable(pre.to_wire(), chosen, candidates, attempt)
+        stream = self._first_reachable(pre, chosen, candidates, attempt)
         async with contextlib.aclosing(stream):
             async for item in stream:
                 yield item
 
-    def _first_reachable(self, wire: dict[str, Any], chosen: int | None,
+    def _first_reachable(self, pre: PreprocessedRequest, chosen: int | None,
                          candidates: tuple[int, ...], attempt: Attempt
-                         ) -> AsyncGenerator[dict[str, Any], None]:
+                         ) -> AsyncGenerator[LLMEngineOutput, None]:
         """Stream from ``chosen`` (None: the next candidate in turn, or a random one); if it
         fails before its first output, from the other candidates. A failure after the first
         output is raised as is (``migrating`` takes it from there). The worker in use is
         ``attempt.worker``; only ``attempt.allowed`` workers are asked."""
         among = set(candidates)
-        live = attempt.allowed(w for w in self.worker.instance_ids() if w in among)
+        live = attempt.allowed(w for w in instance_ids(self.worker.generate) if w in among)
         if self.config.router_mode == "random":
             self._rng.shuffle(live)
         else:
@@ -385,6 +345,7 @@ class Processor(Component):
         def exhausted(last: Exception | None) -> Exception:
             return last or NoInstancesError("no live worker of this model to route to")
 
-        return failover(next_worker, lambda w: self.worker.direct(wire, w, merge=merge_outputs),
+        return failover(next_worker,
+                        lambda w: direct(self.worker.generate, pre, w, merge=merge_outputs),
                         retry_on=(InstanceUnavailable, NoInstancesError, StreamBroken),
                         exhausted=exhausted, on_retry=retrying)

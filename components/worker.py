@@ -33,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from components.ffn_worker import FfnWorker
@@ -41,25 +41,30 @@ from components.prefill_worker import PrefillWorker
 from dynagraph.aio import aclose, cancel_and_wait
 from dynagraph.errors import ConfigError, EngineError
 from dynagraph.llm.afd.settings import AfdOptions
-from dynagraph.llm.disagg import DecodeDisaggKeys, PrefillResult
+from dynagraph.llm.disagg import DecodeDisaggKeys, PrefillAck, PrefillResult
 from dynagraph.llm.disagg.decode import DecodeDisagg
 from dynagraph.llm.disagg.policy import LIVE as DISAGG_LIVE
 from dynagraph.llm.disagg.policy import DisaggConfig
-from dynagraph.llm.engines.base import Engine, SamplingSpec
-from dynagraph.llm.engines.vllm_engine import (
-    VllmEngine,
-    VllmEngineArgs,
-    block_hasher,
-    spread_bind,
-)
-from dynagraph.llm.kv.relay import KvEventFeed, KvEventRelay, load_snapshots
-from dynagraph.llm.kv.shm_transport import is_shm, offer, tier_name
-from dynagraph.llm.kv.tier_trim import TierJanitor, tier_janitor
+from dynagraph.llm.engines.base import Engine, EngineLoad, SamplingSpec
+from dynagraph.llm.engines.metrics import register_engine_load
+from dynagraph.llm.engines.vllm.args import VllmEngineArgs
+from dynagraph.llm.engines.vllm.engine import VllmEngine
+from dynagraph.llm.engines.vllm.env import spread_bind
+from dynagraph.llm.engines.vllm.kv_config import block_hasher
+from dynagraph.llm.kv.events.relay import KvEventFeed, KvEventRelay, load_snapshots
+from dynagraph.llm.kv.offload.tier_trim import TierJanitor, tier_janitor
+from dynagraph.llm.kv.transfer.tier_handoff import is_shm, offer, tier_name
 from dynagraph.llm.models import served_model_metadata
-from dynagraph.llm.protocol import LLMEngineOutput, PreprocessedRequest
+from dynagraph.llm.protocol import (
+    LLMEngineOutput,
+    PreprocessedRequest,
+    Release,
+    Released,
+    Subscribe,
+)
+from dynagraph.llm.router.events import RelayBatch
 from dynagraph.llm.tenants import Signer, cache_salt_of
 from dynagraph.llm.waiting import WaitingRequests
-from dynagraph.observability.worker_metrics import register_engine_load
 from dynagraph.runtime.live_settings import LiveSpec
 from dynagraph.sdk import (
     Component,
@@ -67,6 +72,7 @@ from dynagraph.sdk import (
     async_on_start,
     depends,
     endpoint,
+    endpoint_client,
     service,
 )
 
@@ -114,43 +120,43 @@ class DecodeWorkerEndpoints(Component):
         return found
 
     def _stream(self, request: PreprocessedRequest, kv_params: dict[str, Any] | None,
-                salt: str | None) -> AsyncIterator[dict[str, Any]]:
+                salt: str | None) -> AsyncIterator[LLMEngineOutput]:
         """``engine_stream``; a request prefilled here (not remotely: its prefill is
         already paid for elsewhere) can be handed back until its first output."""
         return engine_stream(self.engine, request, kv_params, salt,
                              waiting=self.waiting if kv_params is None else None)
 
     @endpoint()
-    async def release(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async def release(self, request: Release) -> AsyncGenerator[Released, None]:
         """Hand back up to ``count`` of the requests waiting for a place, the newest first
         (the Router's rebalancing): their streams end with ``Requeued`` before any output
         and the Processor places them again."""
-        count = min(int(request.get("count", 0)), self.engine.load().waiting)
-        yield {"released": len(self.waiting.release(count))}
+        count = min(request.count, self.engine.load().waiting)
+        yield Released(released=len(self.waiting.release(count)))
 
     @endpoint()
-    async def prefill_done(self, result: PrefillResult) -> AsyncIterator[dict[str, Any]]:
+    async def prefill_done(self, result: PrefillResult) -> AsyncGenerator[PrefillAck, None]:
         """A prefill worker hands over a remote prefill's KV transfer parameters."""
         accepted = self.disagg is not None and await self.disagg.deliver(result)
-        yield {"accepted": accepted}
+        yield PrefillAck(accepted=accepted)
 
     @endpoint(drain=False)
-    async def kv_events(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async def kv_events(self, request: Subscribe) -> AsyncGenerator[RelayBatch, None]:
         """A snapshot of this worker's cached blocks, then live deltas, until closed."""
         feed = self._kv_feed()
         if feed is None:
             raise EngineError("this worker does not publish KV events (publish-kv-events)")
         async with feed.subscribe() as sub:
             async for batch in sub:
-                yield batch.to_wire()
+                yield batch
 
     @endpoint(drain=False)
-    async def load_metrics(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        """The engine's load (``EngineLoad``) every ``load-metrics-interval`` s (with
-        ``LOAD_CHANGES_ONLY``: only when it changed)."""
+    async def load_metrics(self, request: Subscribe) -> AsyncGenerator[EngineLoad, None]:
+        """The engine's load every ``load-metrics-interval`` s (with ``LOAD_CHANGES_ONLY``:
+        only when it changed)."""
         async for load in load_snapshots(self.engine.load, self.config.load_metrics_interval,
                                          changes_only=self.LOAD_CHANGES_ONLY):
-            yield load.model_dump()
+            yield load
 
 
 @service(dynamo={"namespace": "dynamo"}, resources={"cpu": 1}, workers=1)
@@ -187,8 +193,8 @@ class VllmWorker(DecodeWorkerEndpoints):
         if self.ffn is not None:  # AFD (torch): imported only by a worker that uses it
             from dynagraph.llm.afd.attach import AfdAttachment
 
-            ffn_info = self.ffn.endpoint("info")
-            self.afd = AfdAttachment(config.afd, config.model, ffn_info.instances)
+            self.afd = AfdAttachment(config.afd, config.model,
+                                     endpoint_client(self.ffn.info).instances)
 
     @async_on_start
     async def start(self) -> None:
@@ -205,7 +211,7 @@ class VllmWorker(DecodeWorkerEndpoints):
         register_engine_load(self.engine.load, worker=f"{self.runtime.instance_id:x}",
                              registry=self.runtime.registry)
         if self.afd is not None:
-            from dynagraph.observability.afd_metrics import register_engine_afd
+            from dynagraph.llm.afd.metrics import register_engine_afd
 
             register_engine_afd(self.afd.stats, worker=f"{self.runtime.instance_id:x}",
                                 registry=self.runtime.registry)
@@ -250,7 +256,8 @@ class VllmWorker(DecodeWorkerEndpoints):
             await self.relay.close()
 
     @endpoint()
-    async def generate(self, request: PreprocessedRequest) -> AsyncIterator[dict[str, Any]]:
+    async def generate(self, request: PreprocessedRequest
+                       ) -> AsyncGenerator[LLMEngineOutput, None]:
         kv_params = None
         s = request.sampling
         salt = cache_salt_of(self.signer, request.tenant)
@@ -263,7 +270,7 @@ class VllmWorker(DecodeWorkerEndpoints):
         stream = self._stream(request, kv_params, salt)
         try:
             async for msg in stream:
-                if (self.afd is not None and msg.get("finish_reason") == "abort"
+                if (self.afd is not None and msg.finish_reason == "abort"
                         and self.afd.failure() is not None):
                     # the engine restart after an AFD failure aborted it: say why (below)
                     raise EngineError("the engine aborted the request")
@@ -282,7 +289,7 @@ class VllmWorker(DecodeWorkerEndpoints):
 async def engine_stream(engine: Engine, request: PreprocessedRequest,
                         kv_params: dict[str, Any] | None, cache_salt: str | None = None,
                         waiting: WaitingRequests | None = None
-                        ) -> AsyncIterator[dict[str, Any]]:
+                        ) -> AsyncIterator[LLMEngineOutput]:
     """``request`` through ``engine``, as the ``generate`` endpoint's wire messages
     (``LLMEngineOutput``; prompt and cached token counts on the first and last).
     With ``waiting``, the request can be handed back until its first output
@@ -313,7 +320,7 @@ async def engine_stream(engine: Engine, request: PreprocessedRequest,
                 msg.cached_tokens = out.num_cached_tokens
                 first = False
             out = None
-            yield msg.to_wire()
+            yield msg
     finally:
         await aclose(outs)  # closing early aborts the request in the engine, now
 

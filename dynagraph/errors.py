@@ -86,6 +86,10 @@ class StreamBroken(RequestPlaneError):
     """The connection died after the request was delivered; the callee may have acted on it."""
 
 
+class InvalidResponse(RequestPlaneError):
+    """The callee answered with an item that is not its endpoint's declared item type."""
+
+
 class RemoteError(RequestPlaneError):
     """The callee raised an exception. ``remote_type`` is its class name."""
 

@@ -105,9 +105,9 @@ class BuildSpec:
     seed: int = 0
     train_steps: int = 800
     train_seconds: float = 600.0
-    """An idle AVX2-only machine needs ~240 s for the 800 steps; one with a core taken by
-    other work needed ~480 s (2026-12-02), and a 300 s budget then stopped at 115 steps:
-    a model that fails the e2e tests needing a trained one."""
+    """Wall-clock budget of the training: a busy machine needs about twice an idle one's
+    time for the steps, and a budget that stops training early makes a model that fails
+    the e2e tests needing a trained one."""
     seq_len: int = 128
     batch_size: int = 8
     learning_rate: float = 3e-3

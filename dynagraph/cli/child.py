@@ -141,10 +141,8 @@ def cache_vllm_envs() -> None:
 def freeze_startup_heap() -> int:
     """Once the process is up, as vLLM's own server does: collect, then freeze what
     survived start-up (modules, the tokenizer, an engine's tables) so the collector's
-    oldest-generation passes while serving scan only what serving made. Measured under
-    ``vllm bench serve`` at 64 streams (gc callbacks, wall time with both cores busy): full
-    collections paused the Frontend 280-800 ms before, 30-370 ms after; one stream's
-    TPOT was the same either way. Returns how many objects it froze."""
+    oldest-generation passes while serving scan only what serving made. Returns how many
+    objects it froze."""
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()

@@ -7,10 +7,7 @@ leaves the engine core and the API server free to run anywhere. Ours are the Fro
 and NATS: the kernel put them on the runner's core too, more so since the runner runs at
 niceness 19 (``engine-nice``), whose tiny weight makes its core look idle to the load
 balancer. A forward pass is one thread on that core, so every moment it spends on the run
-queue behind one of ours lengthens the step for all the streams in it. Measured (scratch,
-``/proc/<tid>/schedstat`` of the runner around ``vllm bench serve`` at 64 streams, 2-core
-VM, 2026-12-06): the runner waited 98-124 us on the run queue per output token, 52-81 us
-with the rest of the graph on the other core.
+queue behind one of ours lengthens the step for all the streams in it.
 
 The keeper (``dynamo serve`` runs it every ``INTERVAL_S`` once the graph is ready):
 
@@ -20,7 +17,7 @@ The keeper (``dynamo serve`` runs it every ``INTERVAL_S`` once the graph is read
   waits for it);
 - the engine cores are those of the ``VLLM::`` processes bound to fewer cores than
   ``dynamo serve`` may use (a NIXL engine's too: vLLM's NIXL worker binds its engine
-  core's main thread to the last core, ``dynagraph.llm.kv.nixl_quiet``);
+  core's main thread to the last core, ``dynagraph.llm.kv.transfer.nixl_connector``);
 - every thread of every other process is bound to the remaining cores, if any remain; where
   none remain (say two workers, one per core of a 2-core box) or no engine is bound, the
   threads it bound before get all the cores back.
@@ -28,31 +25,20 @@ The keeper (``dynamo serve`` runs it every ``INTERVAL_S`` once the graph is read
 Niceness (``VllmWorker.engine-nice``) exists so that a loaded engine does not starve the
 graph's light processes where they share cores. Under the keeper, the engine processes
 are left at niceness 0 while it keeps the graph off their runners' cores: a worker that
-sees ``ENGINE_NICE_DIR_ENV`` (``dynagraph.llm.engines.nice``) does not renice them but
+sees ``ENGINE_NICE_DIR_ENV`` (``dynagraph.runtime.nice``) does not renice them but
 leaves its ``engine-nice`` for each in that directory. Where the keeper cannot keep the
 graph off (no runner bound, or every core bound), it gives each engine process that
 niceness, as the worker would have. A runner at 19 has so small a weight that the kernel
-puts anything on its core, the benchmark client included. Under ``vllm bench serve`` on 2 cores, against vLLM's server
-in the same run (3 rounds each, ``benchmarks/results/vllm_bench_serve_keep_off.md`` and
-``_keep_off2.md``), output tokens per second at 16 / 64 streams: the runner's core kept
-free and the engine at 0 (as now) 1.13x / 0.96x and 1.01x / 1.07x; kept free, engine at
-19, 0.94x / 0.88x; shared, engine at 19 (as before) 1.01x / 0.87x and 0.95x / 0.99x.
-Kept free at 0 made more than shared at 19 in 11 of the 12 rounds the two ran side by
-side. Niceness only goes up without privileges, so an engine once reniced stays so.
-
-Tried and not kept (scratch, 2026-12-06): the graph's own processes at niceness 10 while
-they keep off the runners' cores (every thread, and the autogroup of each process without
-an engine in it), so that the engine core, which floats onto the graph's cores, would win
-them at each step's boundary. Under ``vllm bench serve`` at 16 streams that made fewer
-tokens per second in four of five interleaved pairs (median 3,747 against 4,496), and at
-64 streams 7,302 / 7,340 against 7,610 / 7,465: the engine core waited about half as long
-on the run queue, the Frontend twice as long.
+puts anything on its core, the benchmark client included. Niceness only goes up without
+privileges, so an engine once reniced stays so. The graph's own processes keep their
+niceness (renicing them as well made fewer tokens per second; see
+``benchmarks/results/HISTORY.md``).
 
 ``dynamo serve`` itself is not bound, so a component it starts or restarts begins with
 every core; threads created later in a bound process inherit its binding. An engine
 started by a worker already bound (a restart, a scale-up) would inherit it too, and vLLM
 picks the runner's cores among its engine process's: a vLLM plugin puts each engine core
-back on the graph's cores first (``dynagraph.llm.engines.engine_cores``). Threads someone else bound
+back on the graph's cores first (``dynagraph.llm.engines.vllm.engine_cores``). Threads someone else bound
 (neither every core nor the keeper's cores) are left alone.
 
 Planning is pure (``plan``); ``CoreKeeper.scan`` reads ``/proc`` and applies it.
@@ -67,8 +53,8 @@ from dataclasses import dataclass
 
 import psutil
 
-from dynagraph.llm.engines.engine_cores import cpu_list
-from dynagraph.llm.engines.nice import deferred_nice, renice, thread_ids
+from dynagraph.runtime.cpus import cpu_list
+from dynagraph.runtime.nice import deferred_nice, renice, thread_ids
 
 log = logging.getLogger(__name__)
 

@@ -60,12 +60,12 @@ from dynagraph.cli.core_keeper import CoreKeeper
 from dynagraph.cli.scaling import Child, RuntimeScaling, sweep_group
 from dynagraph.cli.startup_output import StartupOutput
 from dynagraph.errors import GraphError
-from dynagraph.llm.engines.engine_cores import GRAPH_CPUS_ENV, cpu_list
-from dynagraph.llm.engines.nice import ENGINE_NICE_DIR_ENV
 from dynagraph.llm.tenants.identity import SECRET_ENV, new_secret
 from dynagraph.observability.graph_targets import GraphTargets
 from dynagraph.runtime import progress
+from dynagraph.runtime.cpus import GRAPH_CPUS_ENV, cpu_list
 from dynagraph.runtime.infra import LocalService, start_etcd, start_nats
+from dynagraph.runtime.nice import ENGINE_NICE_DIR_ENV
 from dynagraph.sdk._config import ComponentConfig
 from dynagraph.sdk._graph import Graph
 from dynagraph.sdk._runtime import DRAIN_GRACE_ENV, DRAIN_GRACE_S

@@ -82,7 +82,7 @@ BENIGN: tuple[str, ...] = (
 """Warnings every vLLM start on a CPU prints, expected and with nothing to act on
 (``enforce-eager`` is our default; triton and tcmalloc are absent by design; NIXL
 engines run vLLM's single-process executor and a KV connector on purpose, see
-`dynagraph.llm.kv.nixl_side`)."""
+`dynagraph.llm.kv.transfer.nixl_side`)."""
 
 
 @dataclass(frozen=True)

@@ -95,7 +95,7 @@ WORKER_GAUGES = {
     "dynamo_worker_kv_used_blocks": "kv_used_blocks",
     "dynamo_worker_kv_total_blocks": "kv_total_blocks",
 }
-"""The worker gauges (`dynagraph.observability.worker_metrics`) -> `Load` fields."""
+"""The worker gauges (`dynagraph.llm.engines.metrics`) -> `Load` fields."""
 
 
 def load_from_metrics(text: str, worker: str) -> Load | None:

@@ -18,7 +18,7 @@ Three layers, each usable alone:
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from tokenizers.decoders import DecodeStream
@@ -243,9 +243,9 @@ class ResponseDetokenizer:
 
 async def detokenize_stream(
     detok: ResponseDetokenizer,
-    outputs: AsyncIterator[LLMEngineOutput | Mapping[str, Any]],
+    outputs: AsyncIterator[LLMEngineOutput],
 ) -> AsyncGenerator[TextChunk, None]:
-    """Drive ``detok`` over a worker's output stream (structs or their wire dicts).
+    """Drive ``detok`` over a worker's output stream.
 
     Yields the text chunks; the last one has ``finish_reason`` set. ``outputs`` is
     closed before that last chunk is yielded (so a consumer that stops at the finish
@@ -256,11 +256,7 @@ async def detokenize_stream(
     (``contextlib.aclosing``): ``async for`` alone does not.
     """
     try:
-        async for item in outputs:
-            if isinstance(item, LLMEngineOutput):
-                output = item
-            else:
-                output = LLMEngineOutput.from_wire(dict(item))
+        async for output in outputs:
             chunk = detok.process(output)
             if detok.finished:
                 await _aclose(outputs)

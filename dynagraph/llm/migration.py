@@ -38,7 +38,7 @@ import msgspec
 
 from dynagraph.aio import aclose
 from dynagraph.errors import InstanceUnavailable, NoInstancesError, Requeued, StreamBroken
-from dynagraph.llm.protocol import PreprocessedRequest
+from dynagraph.llm.protocol import LLMEngineOutput, PreprocessedRequest
 
 log = logging.getLogger(__name__)
 
@@ -81,9 +81,9 @@ class Attempt:
         return Attempt(failures=list(self.failures))
 
 
-Dispatch = Callable[[PreprocessedRequest, Attempt], AsyncIterator[dict[str, Any]]]
-"""Sends a request to one of ``attempt.allowed(workers)`` and streams its outputs
-(``LLMEngineOutput`` wire dicts); sets ``attempt.worker`` once it has chosen."""
+Dispatch = Callable[[PreprocessedRequest, Attempt], AsyncIterator[LLMEngineOutput]]
+"""Sends a request to one of ``attempt.allowed(workers)`` and streams its outputs; sets
+``attempt.worker`` once it has chosen."""
 
 
 @dataclass
@@ -94,7 +94,7 @@ class _Choice:
 
 async def migrating(request: PreprocessedRequest, dispatch: Dispatch, *, limit: int,
                     on_migrate: Callable[[int | None, Exception], None] | None = None,
-                    earlier: Attempt | None = None) -> AsyncGenerator[dict[str, Any], None]:
+                    earlier: Attempt | None = None) -> AsyncGenerator[LLMEngineOutput, None]:
     """``dispatch(request)``'s outputs, continued on other workers after worker failures.
 
     A constrained request (structured outputs, forced tool calls) that already has output
@@ -112,14 +112,12 @@ async def migrating(request: PreprocessedRequest, dispatch: Dispatch, *, limit: 
         failure: Exception
         try:
             async for out in stream:
-                index = out.get("index", 0) if n > 1 else 0
-                choice = choices[index]
-                choice.tokens.extend(out.get("token_ids", ()))
-                if out.get("finish_reason") is not None:
+                choice = choices[out.index if n > 1 else 0]
+                choice.tokens.extend(out.token_ids)
+                if out.finish_reason is not None:
                     choice.finished = True
                 if not first:  # a continuation: the original request's counts stand
-                    out.pop("prompt_tokens", None)
-                    out.pop("cached_tokens", None)
+                    out.prompt_tokens = out.cached_tokens = None
                 yield out
             return
         except Requeued as exc:  # handed back before its first output: place it again
@@ -196,24 +194,24 @@ def _num_choices(request: PreprocessedRequest) -> int:
     return int(getattr(request.sampling, "n", 1) or 1)
 
 
-async def _reindexed(index: int, stream: AsyncIterator[dict[str, Any]]
-                     ) -> AsyncIterator[dict[str, Any]]:
+async def _reindexed(index: int, stream: AsyncIterator[LLMEngineOutput]
+                     ) -> AsyncIterator[LLMEngineOutput]:
     """A continuation of choice ``index``: re-tagged, without its own prompt counts."""
     try:
         async for out in stream:
-            out["index"] = index
-            out.pop("prompt_tokens", None)
-            out.pop("cached_tokens", None)
+            out.index = index
+            out.prompt_tokens = out.cached_tokens = None
             yield out
     finally:
         await aclose(stream)
 
 
-async def _merge(streams: list[AsyncIterator[dict[str, Any]]]) -> AsyncIterator[dict[str, Any]]:
+async def _merge(streams: list[AsyncIterator[LLMEngineOutput]]
+                 ) -> AsyncIterator[LLMEngineOutput]:
     """Interleave several streams as their items arrive; the first failure ends them all."""
     queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue(maxsize=len(streams) * 4)
 
-    async def pump(i: int, stream: AsyncIterator[dict[str, Any]]) -> None:
+    async def pump(i: int, stream: AsyncIterator[LLMEngineOutput]) -> None:
         try:
             async for out in stream:
                 await queue.put((0, out))

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any
 
 from dynagraph.errors import EngineError
@@ -189,9 +189,9 @@ class ResponseAssembler:
 
 async def assemble_stream(
     assembler: ResponseAssembler,
-    streams: Sequence[AsyncIterator[LLMEngineOutput | Mapping[str, Any]]],
+    streams: Sequence[AsyncIterator[LLMEngineOutput]],
 ) -> AsyncGenerator[TextChunk, None]:
-    """Drive ``assembler`` over one worker stream per prompt (structs or wire dicts).
+    """Drive ``assembler`` over one worker stream per prompt.
 
     Ends after every choice finished; the worker streams are closed then (so an early
     finish, e.g. a stop string, cancels the engine requests). Raises
@@ -199,9 +199,7 @@ async def assemble_stream(
     generator when stopping early (``contextlib.aclosing``).
     """
     async with _merged(streams) as merged:
-        async for prompt_index, item in merged:
-            output = item if isinstance(item, LLMEngineOutput) else LLMEngineOutput.from_wire(
-                dict(item))
+        async for prompt_index, output in merged:
             chunk = assembler.process(prompt_index, output)
             if chunk is not None:
                 yield chunk

@@ -11,6 +11,7 @@ Three groups, by who produces and consumes them:
       Frontend --OpenAIRequestEnvelope--> Processor --PreprocessedRequest--> Worker
       Frontend <--------TextChunk-------- Processor <----LLMEngineOutput---- Worker
       Frontend --TokenizeEnvelope--> Processor (``tokenize`` endpoint)
+      Router   --Release-------------> Worker    (``release``) <--Released--
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ __all__ = [
     "ChatCompletionResponse", "ChatDelta", "ChatMessage", "ChatResponseMessage",
     "CompletionChoice", "CompletionChunk", "CompletionRequest", "CompletionResponse",
     "ContentPart", "DetokenizeRequest", "DetokenizeResponse", "EngineFinishReason",
-    "Endpoint", "ErrorInfo", "ErrorResponse", "LLMEngineOutput", "ModelCard", "ModelList",
+    "Endpoint", "ErrorInfo", "Release", "Released", "Subscribe", "ErrorResponse", "LLMEngineOutput", "ModelCard", "ModelList",
     "OpenAIRequest", "OpenAIRequestEnvelope", "PreprocessedRequest", "PromptTokensDetails",
     "SamplingParams", "StreamOptions", "StructuredOutputsSpec", "TextChunk",
     "TokenizeEnvelope", "TokenizeKind", "TokenizeRequest", "TokenizeResponse", "Usage",
@@ -180,6 +181,22 @@ class PreprocessedRequest(_Wire):
     tenant: TenantToken | None = None
     """The caller, as the Frontend signed it: the worker verifies it and salts the prefix
     cache per tenant (and schedules by its SLO class)."""
+
+
+class Subscribe(_Wire):
+    """Opens a subscription stream (``kv_events``, ``load_metrics``): no parameters."""
+
+
+class Release(_Wire):
+    """Router -> Worker (``release``): hand back up to ``count`` waiting requests."""
+
+    count: int
+
+
+class Released(_Wire):
+    """Worker -> Router: how many requests were handed back."""
+
+    released: int
 
 
 EngineFinishReason = Literal["stop", "length", "abort", "error"]

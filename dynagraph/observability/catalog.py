@@ -70,7 +70,7 @@ PREFILL = "PrefillWorker"
 FFN = "FfnWorker"
 
 CATALOG: tuple[MetricSpec, ...] = (
-    # Frontend (dynagraph/observability/frontend_metrics.py): Dynamo's dynamo_frontend_* names.
+    # Frontend (dynagraph/llm/http/metrics.py): Dynamo's dynamo_frontend_* names.
     _m("dynamo_frontend_requests_total", "counter", "Requests handled by the HTTP frontend",
        ("model", "endpoint", "request_type", "status"), FRONTEND),
     _m("dynamo_frontend_inflight_requests", "gauge", "Requests currently being processed",
@@ -96,7 +96,7 @@ CATALOG: tuple[MetricSpec, ...] = (
     _m("dynamo_frontend_client_disconnects_total", "counter",
        "Requests whose client disconnected before the response was complete",
        ("model",), FRONTEND),
-    # Processor (dynagraph/observability/processor_metrics.py).
+    # Processor (dynagraph/llm/processor_metrics.py).
     _m("dynamo_processor_queue_seconds", "histogram",
        "Time from a request's arrival at the Processor to its dispatch to a worker, "
        "tokenization excluded (worker choice, waiting for a worker)", (), PROCESSOR),
@@ -113,7 +113,7 @@ CATALOG: tuple[MetricSpec, ...] = (
     _m("dynamo_processor_slo_shed_total", "counter",
        "Requests SLO-aware admission refused (HTTP 429) under pressure", ("slo_class",),
        PROCESSOR, "agg_router"),
-    # Decode worker load (dynagraph/observability/worker_metrics.py), vLLM's meanings.
+    # Decode worker load (dynagraph/llm/engines/metrics.py), vLLM's meanings.
     _m("dynamo_worker_requests_running", "gauge", "Requests being processed by the engine.",
        ("worker",), WORKER),
     _m("dynamo_worker_requests_waiting", "gauge", "Requests queued in the engine.",
@@ -156,7 +156,7 @@ CATALOG: tuple[MetricSpec, ...] = (
        "Blocks the host KV pool dropped to make room.", ("worker",), WORKER),
     _m("dynamo_worker_kv_pool_usage_ratio", "gauge",
        "Fraction of the host KV pool's blocks in use (0-1).", ("worker",), WORKER),
-    # Router (dynagraph/observability/router_metrics.py).
+    # Router (dynagraph/llm/router/metrics.py).
     _m("dynamo_router_decisions_total", "counter",
        "Routing decisions by chosen worker and mode", ("worker", "mode"), ROUTER, "agg_router"),
     _m("dynamo_router_request_blocks_total", "counter",
@@ -186,7 +186,7 @@ CATALOG: tuple[MetricSpec, ...] = (
     _m("dynamo_router_rebalanced_requests_total", "counter",
        "Waiting requests a worker was asked to hand back for a free place elsewhere "
        "(rebalance-wait)", ("worker",), ROUTER, "agg_router"),
-    # Disaggregation, decode side (dynagraph/observability/disagg_metrics.py).
+    # Disaggregation, decode side (dynagraph/llm/disagg/metrics.py).
     _m("dynamo_worker_prefill_requests_total", "counter",
        "Prefills by where they ran (local, remote, fallback = wanted remote, ran local) "
        "and the reason", ("where", "reason"), WORKER, "disagg"),
@@ -201,7 +201,7 @@ CATALOG: tuple[MetricSpec, ...] = (
     _m("dynamo_worker_kv_transfer_seconds", "histogram",
        "Time of one KV transfer, from the read being posted to its completion (NIXL's telemetry)", ("worker",), WORKER,
        "disagg"),
-    # Prefill queue (dynagraph/observability/disagg_metrics.py).
+    # Prefill queue (dynagraph/llm/disagg/metrics.py).
     _m("dynamo_prefill_queue_depth", "gauge",
        "Jobs waiting in the prefill queue for a first delivery (as seen by this process)",
        (), WORKER, "disagg"),
@@ -209,7 +209,7 @@ CATALOG: tuple[MetricSpec, ...] = (
        "Time from enqueue to a prefill worker pulling the job", (), PREFILL, "disagg"),
     _m("dynamo_prefill_queue_redeliveries_total", "counter",
        "Prefill jobs pulled again after a worker failed to ack them", (), PREFILL, "disagg"),
-    # VllmWorker with an FfnWorker linked (dynagraph/observability/afd_metrics.py).
+    # VllmWorker with an FfnWorker linked (dynagraph/llm/afd/metrics.py).
     _m("dynamo_worker_afd_forwards_total", "counter",
        "Forward passes whose FFNs ran on FfnWorkers", ("worker",), WORKER, "agg_afd"),
     _m("dynamo_worker_afd_microbatched_forwards_total", "counter",
@@ -224,7 +224,7 @@ CATALOG: tuple[MetricSpec, ...] = (
     _m("dynamo_worker_afd_ffn_compute_seconds_total", "counter",
        "FFN compute time reported by the FfnWorkers for this engine's calls",
        ("worker",), WORKER, "agg_afd"),
-    # FfnWorker (dynagraph/observability/afd_metrics.py): attention-FFN disaggregation.
+    # FfnWorker (dynagraph/llm/afd/metrics.py): attention-FFN disaggregation.
     _m("dynamo_ffn_calls_total", "counter", "Layer FFN calls computed for engines",
        ("worker",), FFN, "agg_afd"),
     _m("dynamo_ffn_rows_total", "counter", "Hidden-state rows (tokens) computed",

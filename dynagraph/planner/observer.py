@@ -16,15 +16,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
-
 from dynagraph.errors import DynagraphError
 from dynagraph.llm.engines.base import EngineLoad
+from dynagraph.llm.protocol import Subscribe
 from dynagraph.planner.policy import Observation
+from dynagraph.sdk import direct
 
 log = logging.getLogger(__name__)
 
@@ -84,12 +84,13 @@ def _mean(samples: list[Sample], decode_replicas: int, prefill_replicas: int) ->
 class LoadFollower:
     """Follows the ``load_metrics`` stream of every instance of a worker component.
 
-    ``client``: the component's client (``depends(...)``; ``direct(request, instance,
-    endpoint=...)``); ``watch``: an ``InstanceWatch`` of its ``load_metrics`` endpoint.
+    ``load_metrics``: that endpoint of the component's client (``self.decode.load_metrics``
+    of a ``depends()``); ``watch``: an ``InstanceWatch`` of it.
     """
 
-    def __init__(self, client: Any, watch: Any, reconnect_delay: float = 0.5) -> None:
-        self.client = client
+    def __init__(self, load_metrics: Callable[[Subscribe], AsyncIterator[EngineLoad]],
+                 watch: Any, reconnect_delay: float = 0.5) -> None:
+        self.load_metrics = load_metrics
         self.watch = watch
         self.reconnect_delay = reconnect_delay
         self.loads: dict[int, EngineLoad] = {}
@@ -113,11 +114,11 @@ class LoadFollower:
     async def _follow(self, w: int) -> None:
         while True:
             try:
-                stream = self.client.direct({}, w, endpoint="load_metrics")
+                stream = direct(self.load_metrics, Subscribe(), w)
                 async with contextlib.aclosing(stream):
-                    async for item in stream:
-                        self.loads[w] = EngineLoad.model_validate(item)
-            except (DynagraphError, msgspec.ValidationError, ValueError) as exc:
+                    async for load in stream:
+                        self.loads[w] = load
+            except (DynagraphError, ValueError) as exc:
                 log.debug("worker %x load stream: %s", w, exc)
             self.loads.pop(w, None)
             await asyncio.sleep(self.reconnect_delay)

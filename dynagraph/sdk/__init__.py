@@ -2,10 +2,22 @@
 
 ```python
 from dynagraph.sdk import service, depends, endpoint, async_on_start, async_on_shutdown
+from dynagraph.sdk import direct, at_random, instance_ids   # typed calls on self.dep.endpoint
 ```
 """
 
-from dynagraph.sdk._client import ClientFactory, ComponentClient, EndpointClient, failover
+from dynagraph.sdk._client import (
+    ClientFactory,
+    ComponentClient,
+    EndpointClient,
+    at_random,
+    call,
+    direct,
+    endpoint_client,
+    failover,
+    instance_ids,
+    instances,
+)
 from dynagraph.sdk._config import ComponentConfig, ServiceArgs, resolve_config
 from dynagraph.sdk._context import RuntimeContext, current_request_id
 from dynagraph.sdk._graph import Graph, resolve_target
@@ -32,6 +44,12 @@ __all__ = [
     "ServiceSpec",
     "async_on_shutdown",
     "async_on_start",
+    "at_random",
+    "call",
+    "direct",
+    "endpoint_client",
+    "instance_ids",
+    "instances",
     "current_request_id",
     "depends",
     "endpoint",

@@ -1,12 +1,14 @@
 """Clients that a ``depends()`` attribute turns into at run time.
 
 ``self.worker.generate(req)`` calls the dependency's ``generate`` endpoint on the next
-instance in round-robin order; ``.random(req)`` picks one at random; ``.direct(req, id)``
-calls exactly that instance. Each returns an async iterator of responses; closing it
-(or cancelling the task consuming it) cancels the remote call. ``generate`` and
-``random`` retry on another live instance when the request could not be delivered, and
+instance in round-robin order; ``at_random(self.worker.generate, req)`` picks one at
+random; ``direct(self.worker.generate, req, id)`` calls exactly that instance. Each
+returns an async iterator of the endpoint's declared item type (decoded here, once);
+closing it (or cancelling the task consuming it) cancels the remote call. Round robin
+and random retry on another live instance when the request could not be delivered, and
 prefer an instance running in this very process (``ServiceArgs.embed-in``) when there is
-one.
+one. The free functions are typed on the endpoint (``Callable[[R], AsyncIterator[T]]``),
+so mypy checks the request and the items at every hop.
 """
 
 from __future__ import annotations
@@ -18,12 +20,15 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
 from dynagraph.aio import aclose
-from dynagraph.errors import InstanceUnavailable, NoInstancesError
+from dynagraph.errors import InstanceUnavailable, InvalidResponse, NoInstancesError
 from dynagraph.runtime.round_robin import RoundRobin
 from dynagraph.runtime.rpc import NOT_READY, has_local_servers, local_server
 from dynagraph.sdk._context import REQUEST_ID_HEADER, current_request_id
+from dynagraph.sdk._typed import decoder
 
 C = TypeVar("C")
+R = TypeVar("R")
+T = TypeVar("T")
 
 
 class InstanceSource(Protocol):
@@ -41,17 +46,30 @@ class Caller(Protocol):
 
 
 class EndpointClient:
-    """Calls one endpoint of one component, choosing among its live instances."""
+    """Calls one endpoint of one component, choosing among its live instances.
+
+    Items are decoded into ``response_type`` (the endpoint's declared item type; None:
+    plain values); one that does not fit raises ``InvalidResponse``. Calling the client
+    is ``round_robin``.
+    """
 
     def __init__(self, caller: Caller, source: InstanceSource, component: str, endpoint: str,
-                 rng: _random.Random | None = None, *, wait_timeout: float = 2.0) -> None:
+                 rng: _random.Random | None = None, *, wait_timeout: float = 2.0,
+                 response_type: type | None = None) -> None:
         self._caller = caller
         self.wait_timeout = wait_timeout
         self._source = source
         self.component = component
         self.endpoint = endpoint
+        self.response_type = response_type
+        self._decode = decoder(response_type, f"{component}.{endpoint} answered",
+                               _invalid_response)
         self._rr = RoundRobin()
         self._rng = rng or _random.Random()
+
+    def __call__(self, request: Any, *, headers: dict[str, str] | None = None
+                 ) -> AsyncGenerator[Any, None]:
+        return self.round_robin(request, headers=headers)
 
     def instances(self) -> list[Any]:
         return self._source.instances()
@@ -94,16 +112,17 @@ class EndpointClient:
         inst = await self._instance(instance_id)
         it = self._caller.call(inst.address, self.endpoint, request, headers=_headers(headers))
         take = getattr(it, "take_ready", None) if merge is not None else None
+        decode = self._decode
         try:
             async for item in it:
                 if take is not None and merge is not None:
                     while (more := take()) is not NOT_READY:
                         merged = merge(item, more)
                         if merged is None:
-                            yield item
+                            yield decode(item)
                             merged = more
                         item = merged
-                yield item
+                yield decode(item)
         finally:
             await aclose(it)
 
@@ -140,9 +159,10 @@ class EndpointClient:
             next_instance,
             lambda inst: self._caller.call(inst.address, self.endpoint, request, headers=headers),
             retry_on=(InstanceUnavailable,), exhausted=no_instance)
+        decode = self._decode
         async with contextlib.aclosing(stream):
             async for item in stream:
-                yield item
+                yield decode(item)
 
 
 async def failover(
@@ -186,7 +206,8 @@ async def failover(
 
 
 class ComponentClient:
-    """The handle a ``depends(Target)`` attribute becomes: one EndpointClient per endpoint.
+    """The object a ``depends(Target)`` attribute is at run time: its attributes are the
+    endpoints' clients (``client.generate`` is the ``EndpointClient`` of ``generate``).
 
     ``namespace`` / ``component`` name the component it reaches, which is the one the
     graph links (a stand-in for ``Target`` is reached under its own name).
@@ -204,23 +225,52 @@ class ComponentClient:
         except KeyError:
             raise AttributeError(f"{self.component} has no endpoint {name!r}") from None
 
-    def instance_ids(self, endpoint: str = "generate") -> list[int]:
-        return self.endpoint(endpoint).instance_ids()
-
-    def generate(self, request: Any, **kw: Any) -> AsyncGenerator[Any, None]:
-        return self.endpoint("generate").round_robin(request, **kw)
-
-    def random(self, request: Any, *, endpoint: str = "generate", **kw: Any) -> AsyncGenerator[Any, None]:
-        return self.endpoint(endpoint).random(request, **kw)
-
-    def direct(self, request: Any, instance_id: int, *, endpoint: str = "generate",
-               **kw: Any) -> AsyncGenerator[Any, None]:
-        return self.endpoint(endpoint).direct(request, instance_id, **kw)
-
-    def __getattr__(self, name: str) -> Callable[..., AsyncGenerator[Any, None]]:
+    def __getattr__(self, name: str) -> EndpointClient:
         if name.startswith("_"):
             raise AttributeError(name)
-        return self.endpoint(name).round_robin
+        return self.endpoint(name)
+
+
+def endpoint_client(ep: object) -> EndpointClient:
+    """The client behind ``self.dep.NAME`` (a ``depends()`` attribute's endpoint)."""
+    if isinstance(ep, EndpointClient):
+        return ep
+    raise TypeError(f"{ep!r} is not an endpoint of a depends() client (self.dep.endpoint)")
+
+
+def call(ep: Callable[[R], AsyncIterator[T]], request: R, *,
+         headers: dict[str, str] | None = None) -> AsyncGenerator[T, None]:
+    """``ep(request)`` (round robin) with request-plane ``headers``."""
+    return endpoint_client(ep).round_robin(request, headers=headers)
+
+
+def at_random(ep: Callable[[R], AsyncIterator[T]], request: R, *,
+              headers: dict[str, str] | None = None) -> AsyncGenerator[T, None]:
+    """``ep(request)`` on a live instance picked at random."""
+    return endpoint_client(ep).random(request, headers=headers)
+
+
+def direct(ep: Callable[[R], AsyncIterator[T]], request: R, instance_id: int, *,
+           headers: dict[str, str] | None = None,
+           merge: Callable[[Any, Any], Any | None] | None = None) -> AsyncGenerator[T, None]:
+    """``ep(request)`` on exactly ``instance_id`` (``EndpointClient.direct``; ``merge``
+    joins wire items that piled up, before they are decoded)."""
+    return endpoint_client(ep).direct(request, instance_id, headers=headers, merge=merge)
+
+
+def instance_ids(ep: Callable[..., Any]) -> list[int]:
+    """The ids of ``ep``'s live instances."""
+    return endpoint_client(ep).instance_ids()
+
+
+def instances(ep: Callable[..., Any]) -> list[Any]:
+    """``ep``'s live instances (discovery records: ``instance_id``, ``address``,
+    ``metadata``)."""
+    return endpoint_client(ep).instances()
+
+
+def _invalid_response(message: str, field: str | None) -> Exception:
+    return InvalidResponse(message)
 
 
 def nearest(instances: list[Any]) -> list[Any]:
@@ -249,26 +299,35 @@ class ClientFactory:
     def __init__(self, caller: Caller, discovery: Any) -> None:
         self._caller = caller
         self._discovery = discovery
-        self._clients: dict[tuple[str, str, str], EndpointClient] = {}
+        self._clients: dict[tuple[str, str, str, type | None], EndpointClient] = {}
+        self._sources: dict[tuple[str, str, str], Any] = {}
         self._watches: list[Any] = []
 
-    async def endpoint(self, namespace: str, component: str, endpoint: str) -> EndpointClient:
-        key = (namespace, component, endpoint)
+    async def endpoint(self, namespace: str, component: str, endpoint: str, *,
+                       response_type: type | None = None) -> EndpointClient:
+        """A client of that endpoint whose items are decoded into ``response_type``."""
+        key = (namespace, component, endpoint, response_type)
         client = self._clients.get(key)
         if client is None:
-            watch = await self._discovery.watch_instances(namespace, component, endpoint)
-            self._watches.append(watch)
-            client = self._clients[key] = EndpointClient(self._caller, watch, component, endpoint)
+            watch = self._sources.get(key[:3])
+            if watch is None:
+                watch = await self._discovery.watch_instances(namespace, component, endpoint)
+                self._watches.append(watch)
+                self._sources[key[:3]] = watch
+            client = self._clients[key] = EndpointClient(self._caller, watch, component,
+                                                         endpoint, response_type=response_type)
         return client
 
     async def component(self, namespace: str, component: str,
-                        endpoints: list[str]) -> ComponentClient:
+                        endpoints: dict[str, type | None]) -> ComponentClient:
+        """A client of each endpoint (name -> its declared item type)."""
         return ComponentClient(component, {
-            name: await self.endpoint(namespace, component, name) for name in endpoints},
-            namespace=namespace)
+            name: await self.endpoint(namespace, component, name, response_type=kind)
+            for name, kind in endpoints.items()}, namespace=namespace)
 
     async def close(self) -> None:
         watches, self._watches = self._watches, []
         self._clients.clear()
+        self._sources.clear()
         for watch in watches:
             await watch.close()

@@ -80,8 +80,10 @@ class RuntimeContext:
                    discovery=None, registry=CollectorRegistry())
 
     async def client(self, component: str, endpoint: str, *,
-                     namespace: str | None = None) -> EndpointClient:
-        """A client of ``component``'s ``endpoint``, found by name in discovery.
+                     namespace: str | None = None,
+                     response_type: type | None = None) -> EndpointClient:
+        """A client of ``component``'s ``endpoint``, found by name in discovery; its items
+        are decoded into ``response_type`` (None: plain values).
 
         For calls to a component that is not a ``depends()`` of this one (e.g. the
         PrefillWorker calling back the decode worker that queued a job). Cached per
@@ -89,7 +91,8 @@ class RuntimeContext:
         """
         if self.clients is None:
             raise RuntimeError(f"{self.component}: no discovery in a standalone runtime")
-        return await self.clients.endpoint(namespace or self.namespace, component, endpoint)
+        return await self.clients.endpoint(namespace or self.namespace, component, endpoint,
+                                           response_type=response_type)
 
     def settings_prefix(self, component: str | None = None) -> str:
         """etcd prefix of runtime-tunable settings: ``/{ns}/settings/{component}/``."""

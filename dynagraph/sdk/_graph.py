@@ -83,19 +83,29 @@ class Graph:
 
     def validate(self) -> None:
         """Every node must be reachable from the root (or a controller) through kept
-        edges; a node standing in for another must have all of its endpoints."""
+        edges; a node standing in for another must have all of its endpoints, with the
+        same request and item types."""
         names = [spec_of(c).name for c in self.nodes]
         dupes = {n for n in names if names.count(n) > 1}
         if dupes:
             raise GraphError(f"two components share the name(s) {sorted(dupes)}")
         for cls in self.nodes:
             spec = spec_of(cls)
-            have = {e.name for e in spec.endpoints}
+            have = {e.name: e for e in spec.endpoints}
             for other in spec.stands_in_for:
-                lacking = sorted({e.name for e in spec_of(other).endpoints} - have)
+                lacking = sorted({e.name for e in spec_of(other).endpoints} - set(have))
                 if lacking:
                     raise GraphError(f"{spec.name} stands in for {spec_of(other).name} but "
                                      f"lacks its endpoint(s) {', '.join(lacking)}")
+                for theirs in spec_of(other).endpoints:  # callers are typed on ``other``
+                    ours = have[theirs.name]
+                    if ((ours.request_type, ours.response_type)
+                            != (theirs.request_type, theirs.response_type)):
+                        raise GraphError(
+                            f"{spec.name}.{ours.name} takes {_name(ours.request_type)} and "
+                            f"yields {_name(ours.response_type)}; {spec_of(other).name}'s, which "
+                            f"it stands in for, {_name(theirs.request_type)} and "
+                            f"{_name(theirs.response_type)}")
         reached = {self.root, *(c for c in self.nodes if spec_of(c).controller)}
         frontier = list(reached)
         while frontier:
@@ -151,3 +161,7 @@ def resolve_target(target: str) -> Graph:
         raise GraphError(f"{target!r} is neither a Graph nor a @service class")
     graph.validate()
     return graph
+
+
+def _name(kind: type | None) -> str:
+    return kind.__name__ if kind is not None else "plain values"

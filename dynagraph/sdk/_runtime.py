@@ -19,9 +19,6 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-import msgspec
-from pydantic import BaseModel, ValidationError
-
 from dynagraph.errors import DiscoveryError, InvalidRequest
 from dynagraph.runtime import progress
 from dynagraph.runtime.discovery import instance_key
@@ -37,6 +34,7 @@ from dynagraph.sdk._context import (
 )
 from dynagraph.sdk._graph import Graph
 from dynagraph.sdk._service import EndpointSpec, spec_of
+from dynagraph.sdk._typed import decoder
 
 log = logging.getLogger(__name__)
 
@@ -154,8 +152,8 @@ class ComponentRuntime:
 
     async def _client_for(self, target: type) -> ComponentClient:
         tspec = spec_of(target)
-        return await self.clients.component(tspec.namespace, tspec.name,
-                                            [ep.name for ep in tspec.endpoints])
+        return await self.clients.component(
+            tspec.namespace, tspec.name, {ep.name: ep.response_type for ep in tspec.endpoints})
 
 
 def _process_start_time() -> float:
@@ -165,36 +163,14 @@ def _process_start_time() -> float:
     return float(psutil.Process().create_time())
 
 
-def _decoder(request_type: type | None, where: str) -> Callable[[Any], Any]:
-    """payload -> typed request; failures become InvalidRequest naming the field."""
-    if request_type is None:
-        return lambda payload: payload
-    if issubclass(request_type, BaseModel):
-        model: type[BaseModel] = request_type
-
-        def from_pydantic(payload: Any) -> Any:
-            try:
-                return model.model_validate(payload)
-            except ValidationError as exc:
-                err = exc.errors()[0]
-                loc = ".".join(str(p) for p in err["loc"])
-                raise InvalidRequest(f"{where}: {loc}: {err['msg']}", param=loc or None) from None
-
-        return from_pydantic
-
-    def from_struct(payload: Any) -> Any:
-        try:
-            return msgspec.convert(payload, request_type)
-        except msgspec.ValidationError as exc:
-            raise InvalidRequest(f"{where}: {exc}") from None
-
-    return from_struct
+def _invalid_request(message: str, param: str | None) -> Exception:
+    return InvalidRequest(message, param=param)
 
 
 def _handler(obj: Any, ep: EndpointSpec, component: str
              ) -> Callable[[Any, RequestContext], AsyncIterator[Any]]:
     method = getattr(obj, ep.method_name)
-    decode = _decoder(ep.request_type, f"{component}.{ep.name}")
+    decode = decoder(ep.request_type, f"{component}.{ep.name}", _invalid_request)
 
     async def handle(payload: Any, ctx: RequestContext) -> AsyncIterator[Any]:
         token = set_request_id(ctx.request_id)

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 
 T = TypeVar("T", bound=type)
 F = TypeVar("F", bound=Callable[..., Any])
+C = TypeVar("C")
 
 _SPEC_ATTR = "__dynagraph_service__"
 _ENDPOINT_ATTR = "__dynagraph_endpoint__"
@@ -50,6 +51,9 @@ class EndpointSpec:
     name: str
     method_name: str
     request_type: type | None  # a pydantic model or msgspec Struct; None: raw payload
+    response_type: type | None = None
+    """What each item is (``AsyncIterator[X]``: a msgspec Struct or pydantic model); the
+    caller's client decodes items into it. None: plain msgpack values."""
     drain: bool = True
     """False for a subscription (a stream that only ends when its caller leaves): on
     shutdown it is cancelled at once instead of being waited for."""
@@ -92,11 +96,18 @@ class Dependency:
         return f"depends({self.target.__name__})"
 
 
-def depends(target: type) -> Any:
-    """Declare that this component calls ``target`` (another ``@service`` class)."""
+def depends(target: type[C]) -> C:
+    """Declare that this component calls ``target`` (another ``@service`` class).
+
+    For the type checker the attribute is a ``target``: ``self.worker.generate(req)`` is
+    checked against ``target.generate``'s request type and yields its declared item type.
+    At run time it is a client (``ComponentClient``) whose attributes are the endpoints'
+    clients (``EndpointClient``; ``dynagraph.sdk.direct`` / ``at_random`` /
+    ``instance_ids`` take them), or ``None`` when the graph does not link ``target``.
+    """
     if not isinstance(target, type):
         raise GraphError(f"depends() takes a component class, got {target!r}")
-    return Dependency(target)
+    return typing.cast(C, Dependency(target))
 
 
 def endpoint(name: str | None = None, *, drain: bool = True) -> Callable[[F], F]:
@@ -273,7 +284,7 @@ def _endpoints(cls: type) -> list[EndpointSpec]:
         if ep_name in seen:
             raise GraphError(f"{cls.__name__}: two endpoints named {ep_name!r}")
         seen.add(ep_name)
-        out.append(EndpointSpec(ep_name, attr, _request_type(cls, fn),
+        out.append(EndpointSpec(ep_name, attr, _request_type(cls, fn), _response_type(fn),
                                 drain=getattr(fn, _DRAIN_ATTR, True)))
     return out
 
@@ -286,6 +297,17 @@ def _request_type(cls: type, fn: Callable[..., Any]) -> type | None:
     ann = hints.get(params[0].name)
     if isinstance(ann, type) and issubclass(ann, BaseModel | msgspec.Struct):
         return ann
+    return None
+
+
+def _response_type(fn: Callable[..., Any]) -> type | None:
+    """``X`` of an ``-> AsyncIterator[X]`` (or ``AsyncGenerator[X, ...]``) annotation when
+    ``X`` is a msgspec Struct or pydantic model; else None (plain values)."""
+    ret = _hints(fn).get("return")
+    args = typing.get_args(ret)
+    item = args[0] if args else None
+    if isinstance(item, type) and issubclass(item, BaseModel | msgspec.Struct):
+        return item
     return None
 
 

@@ -43,7 +43,7 @@ def test_the_whole_graph_runs_in_one_process(one_process: ServeProcess) -> None:
 
 def test_the_engine_core_sleeps_while_its_model_runner_works(one_process: ServeProcess) -> None:
     # engine-core-spin-s 0 (the default) reached the engine core's process through the
-    # VllmWorker's environment and vLLM's plugin hook (dynagraph.llm.engines.engine_spin).
+    # VllmWorker's environment and vLLM's plugin hook (dynagraph.llm.engines.vllm.engine_spin).
     assert "engine core: shared-memory readers busy-wait 0.000 s" in one_process.output()
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from dynagraph.cli.core_keeper import split_processes
-from dynagraph.llm.kv.shm_direct import MANIFEST_DIR, MANIFEST_PREFIX
+from dynagraph.llm.kv.transfer.shm_direct import MANIFEST_DIR, MANIFEST_PREFIX
 from tests.e2e_disagg.conftest import (
     BLOCK,
     BLOCK_BYTES,
@@ -44,7 +44,7 @@ def test_both_engines_run_on_the_core_vllms_nixl_worker_binds_and_the_graph_keep
         shm_graph: DisaggGraph) -> None:
     """vLLM's NIXL worker binds the engine core's main thread (which runs our in-process
     engines' forward passes) to the last core; that is kept on purpose
-    (``dynagraph.llm.kv.nixl_quiet``), and ``dynamo serve``'s keeper then keeps the graph
+    (``dynagraph.llm.kv.transfer.nixl_connector``), and ``dynamo serve``'s keeper then keeps the graph
     on the other cores with the engines at niceness 0."""
     serve_pid = shm_graph.proc.pid
     engines, _ = split_processes(serve_pid)

@@ -6,10 +6,10 @@ import re
 
 from prometheus_client import CollectorRegistry, generate_latest
 
+from dynagraph.llm.disagg.metrics import DecodeMetrics, PrefillQueueMetrics
+from dynagraph.llm.processor_metrics import ProcessorMetrics
+from dynagraph.llm.router.metrics import RouterMetrics
 from dynagraph.observability.catalog import BY_NAME, CATALOG, PENDING_RENAMES, spec
-from dynagraph.observability.disagg_metrics import DecodeMetrics, PrefillQueueMetrics
-from dynagraph.observability.processor_metrics import ProcessorMetrics
-from dynagraph.observability.router_metrics import RouterMetrics
 from tests.support.metrics import value
 
 from .conftest import promtool_check_metrics

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 from dynagraph.cli.core_keeper import Plan, plan, split_processes
-from dynagraph.llm.engines.nice import thread_ids
+from dynagraph.runtime.nice import thread_ids
 
 
 def assert_cores_kept(serve_pid: int, output: str, engine_nice: int = 19) -> Plan:

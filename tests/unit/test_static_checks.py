@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 
@@ -9,7 +10,7 @@ import pytest
 
 from tests.support.paths import REPO
 
-TYPED = ["dynagraph", "components", "graphs", "tools"]
+TYPED = ["dynagraph", "components", "graphs", "tools", "benchmarks/profiling"]
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
@@ -26,3 +27,27 @@ def test_ruff_is_clean() -> None:
 def test_mypy_strict_is_clean() -> None:
     out = _run("mypy", "--strict", *TYPED)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def _imported_modules(root: str) -> dict[str, set[str]]:
+    """Every module each ``.py`` file under ``root`` imports (function-level included)."""
+    found: dict[str, set[str]] = {}
+    for path in sorted((REPO / root).rglob("*.py")):
+        names: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names.add(node.module)
+        found[str(path.relative_to(REPO))] = names
+    return found
+
+
+@pytest.mark.parametrize(("root", "forbidden"), [
+    ("dynagraph/observability", "dynagraph.llm"),  # component metric groups live in llm/
+    ("tools", "benchmarks"),  # profiling scripts live in benchmarks/profiling
+])
+def test_imports_point_one_way(root: str, forbidden: str) -> None:
+    bad = {f: sorted(m for m in mods if m == forbidden or m.startswith(forbidden + "."))
+           for f, mods in _imported_modules(root).items()}
+    assert not {f: m for f, m in bad.items() if m}

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from dynagraph.llm.engines.vllm_engine import VllmEngine, VllmEngineArgs
+from dynagraph.llm.engines.vllm.args import VllmEngineArgs
+from dynagraph.llm.engines.vllm.engine import VllmEngine
 
 TEST_BLOCK_SIZE = 32
 

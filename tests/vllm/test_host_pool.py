@@ -18,9 +18,10 @@ import pytest_asyncio
 
 from dynagraph.errors import ConfigError
 from dynagraph.llm.engines import SamplingSpec
-from dynagraph.llm.engines.vllm_engine import VllmEngine, VllmEngineArgs
-from dynagraph.llm.kv.relay import KvEventRelay
-from dynagraph.llm.kv.tier_trim import TierTrimmer
+from dynagraph.llm.engines.vllm.args import VllmEngineArgs
+from dynagraph.llm.engines.vllm.engine import VllmEngine
+from dynagraph.llm.kv.events.relay import KvEventRelay
+from dynagraph.llm.kv.offload.tier_trim import TierTrimmer
 from dynagraph.llm.router.hashing import BlockHasher
 from tests.vllm.conftest import TEST_BLOCK_SIZE, in_process_model
 

@@ -12,7 +12,7 @@ import zmq
 import zmq.asyncio
 
 from dynagraph.llm.engines import SamplingSpec
-from dynagraph.llm.engines.vllm_engine import VllmEngine
+from dynagraph.llm.engines.vllm.engine import VllmEngine
 from tests.vllm.conftest import TEST_BLOCK_SIZE
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(120)]

@@ -17,7 +17,7 @@ import pytest
 
 from dynagraph.errors import InvalidRequest, PromptTooLong
 from dynagraph.llm.engines import Engine, EngineLoad, EngineOutput, SamplingSpec
-from dynagraph.llm.engines.vllm_engine import VllmEngine
+from dynagraph.llm.engines.vllm.engine import VllmEngine
 from tests.support.memory import anon_huge_kib
 from tests.vllm.conftest import TEST_BLOCK_SIZE
 
@@ -96,9 +96,11 @@ async def test_max_tokens_with_ignore_eos_is_exact(vllm_engine: VllmEngine, n: i
 async def test_sampling_with_seed_is_reproducible(vllm_engine: VllmEngine) -> None:
     spec = SamplingSpec(temperature=1.0, top_p=0.9, seed=1234, max_tokens=16, ignore_eos=True)
     ids = prompt(30, salt=3)
-    assert tokens(await collect(vllm_engine, ids, spec)) == tokens(
-        await collect(vllm_engine, ids, spec)
-    )
+    first = tokens(await collect(vllm_engine, ids, spec))
+    assert first == tokens(await collect(vllm_engine, ids, spec))
+    # the control: another seed samples another text, so the seed is what repeats it
+    other = tokens(await collect(vllm_engine, ids, spec.model_copy(update={"seed": 4321})))
+    assert other != first
 
 
 async def test_stop_token_ids_end_the_stream(vllm_engine: VllmEngine) -> None:
@@ -235,7 +237,8 @@ def test_engine_processes_die_with_a_sigkilled_owner(model_dir: Path) -> None:
     """vLLM's engine core outlives a SIGKILLed parent unless the reaper ends it."""
     code = (
         "import asyncio, os, sys\n"
-        "from dynagraph.llm.engines.vllm_engine import VllmEngine, VllmEngineArgs\n"
+        "from dynagraph.llm.engines.vllm.args import VllmEngineArgs\n"
+        "from dynagraph.llm.engines.vllm.engine import VllmEngine\n"
         "async def main():\n"
         f"    engine = VllmEngine(VllmEngineArgs(model={str(model_dir)!r}, block_size=32))\n"
         "    await engine.start()\n"

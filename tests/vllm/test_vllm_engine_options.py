@@ -4,12 +4,14 @@ prompt logprobs, penalties, logit bias, structured outputs, and refusals."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
+from transformers import AutoTokenizer
 
 from dynagraph.errors import InvalidRequest
 from dynagraph.llm.engines import SamplingSpec
-from dynagraph.llm.engines.vllm_engine import VllmEngine
+from dynagraph.llm.engines.vllm.engine import VllmEngine
 from tests.vllm.test_vllm_engine import collect, prompt, tokens
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
@@ -54,12 +56,28 @@ async def test_logit_bias_and_repetition_penalty(vllm_engine: VllmEngine) -> Non
     assert tokens(penalized)[0] == 777 and 777 not in tokens(penalized)[1:]
 
 
-async def test_structured_outputs_constrain_the_tokens(vllm_engine: VllmEngine) -> None:
+async def test_structured_outputs_constrain_the_tokens(
+        vllm_engine: VllmEngine, model_dir: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    ids = prompt(10, salt=14)
+    free = tokenizer.decode(tokens(await collect(vllm_engine, ids, SamplingSpec(
+        temperature=0.0, max_tokens=10))), skip_special_tokens=True)
+    assert free not in ("alpha", "beta")  # the constraint, not the model, picks the text
     spec = SamplingSpec(temperature=0.0, max_tokens=10,
                         structured_outputs={"choice": ["alpha", "beta"]})
-    outs = await collect(vllm_engine, prompt(10, salt=14), spec)
+    outs = await collect(vllm_engine, ids, spec)
     assert outs[-1].finish_reason == "stop"
-    assert len(tokens(outs)) >= 1
+    assert tokenizer.decode(tokens(outs), skip_special_tokens=True) in ("alpha", "beta")
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}
+    outs = await collect(vllm_engine, ids, SamplingSpec(
+        temperature=0.0, max_tokens=40, structured_outputs={"json": json.dumps(schema)}))
+    text = tokenizer.decode(tokens(outs), skip_special_tokens=True)
+    if outs[-1].finish_reason == "stop":  # a finished JSON text of the schema's shape
+        value = json.loads(text)
+        assert set(value) == {"n"} and isinstance(value["n"], int), text
+    else:  # ran out of tokens inside it: a prefix of such a text
+        assert text.lstrip().startswith("{"), text
 
 
 async def test_refusals_name_the_parameter(vllm_engine: VllmEngine) -> None:

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from dynagraph.errors import ConfigError
-from dynagraph.llm.engines.vllm_engine import VllmEngine, VllmEngineArgs
-from dynagraph.llm.kv.nixl_side import prepare_nixl
+from dynagraph.llm.engines.vllm.args import VllmEngineArgs
+from dynagraph.llm.engines.vllm.engine import VllmEngine
+from dynagraph.llm.kv.transfer.nixl_side import prepare_nixl
 from tests.vllm.conftest import TEST_BLOCK_SIZE
 
 pytestmark = [pytest.mark.vllm, pytest.mark.nixl, pytest.mark.timeout(300)]

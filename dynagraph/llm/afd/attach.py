@@ -47,7 +47,7 @@ from dynagraph.llm.afd.settings import (
     read_failure,
     write_engine_config,
 )
-from dynagraph.llm.engines.vllm_engine import VllmEngineArgs
+from dynagraph.llm.engines.vllm.args import VllmEngineArgs
 
 log = logging.getLogger(__name__)
 

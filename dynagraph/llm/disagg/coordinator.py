@@ -38,9 +38,9 @@ from typing import Any, Literal
 
 import msgspec
 
+from dynagraph.llm.disagg.metrics import PrefillMetrics
 from dynagraph.llm.disagg.policy import LiveDisaggSettings, PrefillDecision
 from dynagraph.llm.router.hashing import BlockHasher
-from dynagraph.observability.disagg_metrics import PrefillMetrics
 from dynagraph.runtime.queue import (
     PrefillQueue,
     PrefillQueueError,
@@ -166,7 +166,7 @@ class RemotePrefillCoordinator:
     prefill_workers: Callable[[], int] = lambda: 1
     metrics: PrefillMetrics | None = None
     engine_params: dict[str, Any] = field(default_factory=dict)
-    """Put in every job (e.g. the decode worker's shared KV tier, ``shm_transport.offer``)."""
+    """Put in every job (e.g. the decode worker's shared KV tier, ``tier_handoff.offer``)."""
     clock: Callable[[], float] = time.time
     _pending: dict[str, asyncio.Future[PrefillResult]] = field(default_factory=dict, init=False)
 

@@ -6,9 +6,9 @@ unless the graph links a ``PrefillWorker`` *and* ``remote-prefill`` is true), an
 per request ``plan()`` -> ``engine.generate(..., kv_transfer_params=plan.kv_transfer_params)``;
 its ``prefill_done`` endpoint calls ``deliver()``, which points the prefill engine's
 transfer parameters at the side channel that prefill instance published in etcd
-(``dynagraph.llm.kv.nixl_peers``) before the coordinator hands them to the engine.
+(``dynagraph.llm.kv.transfer.nixl_peers``) before the coordinator hands them to the engine.
 
-What it owns: the engine's NIXL consumer set-up (``dynagraph.llm.kv.nixl_side``), the
+What it owns: the engine's NIXL consumer set-up (``dynagraph.llm.kv.transfer.nixl_side``), the
 prefill-queue producer (``NatsPrefillQueue``), the live thresholds
 (``LiveDisaggSettings`` fed by an etcd watch on ``/{namespace}/settings/{component}/``),
 the NIXL record under the lease, the mirror of the other engines' NIXL records
@@ -37,14 +37,14 @@ from dynagraph.llm.disagg.coordinator import (
     RemotePrefillCoordinator,
 )
 from dynagraph.llm.disagg.keys import DecodeDisaggKeys
+from dynagraph.llm.disagg.metrics import DecodeMetrics, PrefillMetrics
 from dynagraph.llm.disagg.policy import LiveDisaggSettings
 from dynagraph.llm.engines.base import EngineLoad
-from dynagraph.llm.engines.vllm_engine import VllmEngineArgs
-from dynagraph.llm.kv.nixl_peers import NixlPeerError, NixlPeers
-from dynagraph.llm.kv.nixl_side import NixlEndpoint, nixl_key, prepare_nixl
-from dynagraph.llm.kv.shm_transport import TIER_KEY, is_shm, offer
+from dynagraph.llm.engines.vllm.args import VllmEngineArgs
+from dynagraph.llm.kv.transfer.nixl_peers import NixlPeerError, NixlPeers
+from dynagraph.llm.kv.transfer.nixl_side import NixlEndpoint, nixl_key, prepare_nixl
+from dynagraph.llm.kv.transfer.tier_handoff import TIER_KEY, is_shm, offer
 from dynagraph.llm.router.hashing import BlockHasher
-from dynagraph.observability.disagg_metrics import DecodeMetrics, PrefillMetrics
 from dynagraph.runtime.queue import (
     NatsPrefillQueue,
     PrefillQueue,
@@ -52,7 +52,7 @@ from dynagraph.runtime.queue import (
     PrefillSampling,
     ReplyTarget,
 )
-from dynagraph.sdk import RuntimeContext
+from dynagraph.sdk import RuntimeContext, instance_ids
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +176,7 @@ class DecodeDisagg:
             await asyncio.sleep(QUEUE_DEPTH_INTERVAL_S)
 
     def _prefill_workers(self) -> int:
-        return len(self.prefill.instance_ids("status"))
+        return len(instance_ids(self.prefill.status))
 
     async def plan(self, request_id: str, prompt: list[int], temperature: float,
                    seed: int | None, cache_salt: str | None = None) -> PrefillPlan:

@@ -8,8 +8,8 @@ from pydantic import Field, model_validator
 
 from dynagraph.config import ConfigModel
 from dynagraph.llm.disagg.policy import DisaggConfig
-from dynagraph.llm.kv.nixl_settle import DEFAULT_SETTLE_US
-from dynagraph.llm.kv.nixl_side import DEFAULT_DELAY_US
+from dynagraph.llm.kv.transfer.nixl_settle import DEFAULT_SETTLE_US
+from dynagraph.llm.kv.transfer.nixl_side import DEFAULT_DELAY_US
 
 PROGRESS_DELAY_DOC = (
     "Poll timeout in microseconds of NIXL's progress thread, which wakes on UCX events "
@@ -31,14 +31,14 @@ class DisaggWorkerKeys(ConfigModel):
     prefill_queue_max_deliver: int = Field(default=3, ge=1)
     nixl_progress_delay_us: int = Field(default=DEFAULT_DELAY_US, ge=0,
                                         description=PROGRESS_DELAY_DOC)
-    """See ``dynagraph.llm.kv.nixl_quiet``."""
+    """See ``dynagraph.llm.kv.transfer.nixl_connector``."""
     kv_transport: Literal["auto", "nixl", "shm", "tier"] = "nixl"
     """How a remote prefill's KV reaches the decode worker. ``nixl`` (default): a NIXL
     READ. ``shm`` / ``auto``: each engine's KV cache lives in shared memory, and a decode
     engine reads a same-host prefill engine's blocks with ``memcpy`` (``dynagraph.llm.kv.
     shm_direct``); a peer on another host, or one that is not in shared memory, is read
     over NIXL (``auto`` and ``shm`` do the same). Set it on both workers. ``tier``: through
-    the ``kv-offload-dir`` tier both workers share (``dynagraph.llm.kv.shm_transport``;
+    the ``kv-offload-dir`` tier both workers share (``dynagraph.llm.kv.transfer.tier_handoff``;
     needs ``kv-offload-dir`` on a tmpfs; a job a prefill worker cannot hand over through
     the tier goes over NIXL): slower than ``shm`` (a file per block), for hosts where
     NIXL does not work (``benchmarks/results/disagg_served_shm.md``)."""
@@ -59,7 +59,7 @@ class DisaggWorkerKeys(ConfigModel):
 
     @property
     def through_tier(self) -> bool:
-        """Remote prefills hand over through the shared tier (``shm_transport``)."""
+        """Remote prefills hand over through the shared tier (``tier_handoff``)."""
         return self.kv_transport == "tier"
 
 
@@ -73,7 +73,7 @@ class DecodeDisaggKeys(DisaggWorkerKeys, DisaggConfig):
     nixl_settle_us: int = Field(default=DEFAULT_SETTLE_US, ge=0, le=1_000_000)
     """How long an engine step may poll the KV reads it has just posted, in microseconds,
     so that the same step reports them done instead of the next (an idle engine sleeps
-    1 ms between steps). 0: vLLM's own polling only. See ``dynagraph.llm.kv.nixl_settle``."""
+    1 ms between steps). 0: vLLM's own polling only. See ``dynagraph.llm.kv.transfer.nixl_settle``."""
 
     @model_validator(mode="after")
     def _redelivery_can_be_used(self) -> DecodeDisaggKeys:

@@ -28,12 +28,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import KW_ONLY, dataclass
 from typing import Any, Literal, Protocol
 
-import msgspec
-
 from dynagraph.errors import EngineError, NoInstancesError, RequestPlaneError
 from dynagraph.llm.disagg.coordinator import PrefillAck, PrefillResult
 from dynagraph.llm.engines.base import EngineOutput, SamplingSpec
-from dynagraph.llm.kv.shm_transport import accepts, handed_over, wait_for_blocks
+from dynagraph.llm.kv.transfer.tier_handoff import accepts, handed_over, wait_for_blocks
 from dynagraph.llm.router.hashing import BlockHasher
 from dynagraph.runtime.queue import PrefillQueue, PrefillQueueError, QueueItem, ReplyTarget
 
@@ -67,7 +65,8 @@ ReplyFn = Callable[[ReplyTarget, PrefillResult], Awaitable[PrefillAck]]
 class EndpointClients(Protocol):
     """Finds an endpoint client by name (``RuntimeContext`` satisfies it)."""
 
-    async def client(self, component: str, endpoint: str) -> Any: ...
+    async def client(self, component: str, endpoint: str, *,
+                     response_type: type | None = None) -> Any: ...
 
 
 def reply_through(runtime: EndpointClients) -> ReplyFn:
@@ -75,11 +74,12 @@ def reply_through(runtime: EndpointClients) -> ReplyFn:
     job's ``reply_to`` (its ``prefill_done`` endpoint), found through ``runtime``."""
 
     async def reply(target: ReplyTarget, result: PrefillResult) -> PrefillAck:
-        client = await runtime.client(target.component, target.endpoint)
-        stream = client.direct(msgspec.to_builtins(result), target.instance_id)
+        client = await runtime.client(target.component, target.endpoint,
+                                      response_type=PrefillAck)
+        stream = client.direct(result, target.instance_id)
         async with contextlib.aclosing(stream):
-            async for msg in stream:
-                return msgspec.convert(msg, PrefillAck)
+            async for ack in stream:
+                return ack  # type: ignore[no-any-return]
         raise RequestPlaneError(f"{target.component}.{target.endpoint} answered nothing")
 
     return reply
@@ -109,7 +109,7 @@ class PrefillJobHandler:
     clock: Callable[[], float] = time.time
     observer: PullObserver | None = None
     tier: dict[str, str] | None = None
-    """This worker's shared KV tier (``shm_transport.offer``): a job whose decode worker
+    """This worker's shared KV tier (``tier_handoff.offer``): a job whose decode worker
     offers the same one is handed over through it instead of NIXL."""
     hasher: BlockHasher | None = None
     """Hashes blocks as the engine does, to find a prompt's blocks in the tier."""
@@ -204,7 +204,7 @@ class PrefillJobHandler:
     async def _prefill_into_tier(self, rid: str, prompt: list[int], spec: SamplingSpec,
                                  digests: list[bytes]) -> dict[str, Any]:
         """Prefill as a local request; its blocks go through the engine's pool to the
-        shared tier, where the decode engine finds them (``shm_transport``)."""
+        shared tier, where the decode engine finds them (``tier_handoff``)."""
         assert self.tier is not None
         async for _ in self.engine.generate(rid, prompt, spec):
             pass

@@ -1,7 +1,7 @@
 """Inference engines behind one protocol (:class:`Engine`).
 
 Importing this package does not import vLLM; use
-``from dynagraph.llm.engines.vllm_engine import VllmEngine, VllmEngineArgs``.
+``dynagraph.llm.engines.vllm`` (``engine.VllmEngine``, ``args.VllmEngineArgs``).
 :class:`EchoEngine` is the in-memory engine for unit tests.
 """
 

@@ -3,7 +3,9 @@
 Output token ``i`` is ``prompt[i % len(prompt)]`` (or ``cycle[i % len(cycle)]`` if a
 cycle is given), so tests can predict every token. It honours ``max_tokens``,
 ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, aborts and cancellation, and keeps
-``load()`` counts. No prefix cache: ``num_cached_tokens`` is always 0.
+``load()`` counts; it refuses (``InvalidRequest`` naming the field) what it cannot honour:
+``n`` > 1, logprobs, prompt logprobs and structured outputs. No prefix cache:
+``num_cached_tokens`` is always 0.
 """
 
 from __future__ import annotations
@@ -67,6 +69,11 @@ class EchoEngine:
             raise PromptTooLong(f"{len(prompt_token_ids)} tokens >= {self.max_model_len}")
         if request_id in self._running:
             raise InvalidRequest(f"request id {request_id!r} is already in flight")
+        for name, asked in (("n", sampling.n > 1), ("logprobs", sampling.logprobs is not None),
+                            ("prompt_logprobs", sampling.prompt_logprobs is not None),
+                            ("structured_outputs", sampling.structured_outputs is not None)):
+            if asked:
+                raise InvalidRequest(f"the echo engine does not support {name}", param=name)
         self.requests_seen.append(request_id)
         self.kv_transfer_params_seen.append(kv_transfer_params)
         source = self.cycle or prompt_token_ids

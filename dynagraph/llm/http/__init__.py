@@ -3,6 +3,6 @@
 from __future__ import annotations
 
 from dynagraph.llm.http.app import Backend, create_app
-from dynagraph.observability.frontend_metrics import FrontendMetrics
+from dynagraph.llm.http.metrics import FrontendMetrics
 
 __all__ = ["Backend", "FrontendMetrics", "create_app"]

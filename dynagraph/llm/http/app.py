@@ -49,6 +49,14 @@ from dynagraph.llm.http.errors import (
     json_response,
 )
 from dynagraph.llm.http.limits import RequestLimits, check_limits, prompt_text_bytes
+from dynagraph.llm.http.metrics import (
+    ERROR,
+    STREAM,
+    SUCCESS,
+    UNARY,
+    FrontendMetrics,
+    TenantMetrics,
+)
 from dynagraph.llm.http.openapi import openapi_document
 from dynagraph.llm.http.sse import (
     DONE,
@@ -77,14 +85,6 @@ from dynagraph.llm.protocol import (
     Usage,
 )
 from dynagraph.llm.tenants import TenantEntry, TenantToken
-from dynagraph.observability.frontend_metrics import (
-    ERROR,
-    STREAM,
-    SUCCESS,
-    UNARY,
-    FrontendMetrics,
-    TenantMetrics,
-)
 
 log = logging.getLogger(__name__)
 

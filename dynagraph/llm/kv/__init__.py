@@ -1,8 +1,13 @@
-"""KV cache plumbing around the engines.
+"""KV cache plumbing around the engines, one sub-package per concept.
 
-    relay       vLLM's KV events -> this worker's block set -> Router subscribers
-    nixl_side   per-process NIXL set-up for vLLM's NixlConnector (side channel, engine id)
-    nixl_quiet  vLLM's NixlConnector with NIXL's progress thread asleep while idle
+    events/     vLLM's KV events -> this worker's block set -> Router subscribers (relay)
+    transfer/   KV between engines: NIXL set-up and records, our NIXL connector (the
+                module vLLM loads as ``kv_connector_module_path``), same-host copies
+                (shm_direct), the tier hand-off, the wire codec, read settling
+    offload/    the host KV pool, the shared tier under it and its size limit
+    codec       int8 / fp8 block codecs (the pool's and the wire's)
+    quality_guard  a lossy codec's start-up check
 
-``nixl_quiet`` imports vLLM: it is loaded by vLLM itself, inside engine processes.
+Modules that import vLLM (``transfer.nixl_connector``, ``offload.host_pool``,
+``offload.host_tiers``) are loaded by vLLM itself, inside engine processes.
 """

@@ -104,13 +104,8 @@ class Grouped:
     Decoding is done by ``decode_groups`` on tensors of groups (``[..., GROUP]`` bytes,
     ``[..., 1]`` float16 scales) written into a view of the caller's memory, at most
     ``CHUNK_VALUES`` values at a time in a per-thread work area: the float32 values stay in
-    the CPU's cache and nothing the size of the input is allocated (on one core 4 MiB of
-    int8 decoded in ~0.7 ms against ~1.5-1.9 ms for whole-input passes, fp8 in ~2 ms
-    against ~8 ms; same values out). Encoding keeps its whole-input passes: the same
-    chunked, in-place scheme encoded 2-7x faster on its own, but a prefill engine that
-    encoded that way for the NIXL wire ran its prefills 20-80 ms slower at 4k tokens
-    (``benchmarks/disagg_served.py``, five runs; its encode took the same ~2 ms a step),
-    for reasons not found."""
+    the CPU's cache and nothing the size of the input is allocated. Encoding keeps its
+    whole-input passes (the chunked scheme made a prefill engine's prefills slower)."""
 
     name = ""
     limit = 1.0

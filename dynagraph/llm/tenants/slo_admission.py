@@ -29,8 +29,7 @@ level per signal, the highest of them counting::
 ``target`` is the tightest TTFT target of the classes that are *not* deferrable (the work
 the admission protects). ``prefilling`` counts the worker's requests still waiting for
 their first token: an engine step runs every scheduled prefill chunk at once, so a
-protected request that arrives behind a few deferrable prefills waits for all of them
-(measured: interactive misses came in bursts exactly when batch work was admitted);
+protected request that arrives behind a few deferrable prefills waits for all of them;
 ``delay-at-prefills: 1`` lets deferrable work start only on a worker with no prefill
 in flight, so a protected request waits behind at most one. A deferrable request that is delayed waits ``delay-step`` s and
 asks again; once it has waited ``max-delay`` s it is shed. A shed request is refused with

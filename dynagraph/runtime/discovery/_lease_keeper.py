@@ -4,16 +4,15 @@ Why a thread: the process's event loop also serves its streams, and under load (
 Frontend writing thousands of SSE chunks a second on a 2-core host) a keepalive sent
 through ``aetcd``'s gRPC client on that loop took more than the 3 s TTL to come back
 ("Deadline Exceeded"), so etcd dropped the lease and every registration under it
-vanished until it was granted again (measured: ``vllm bench serve`` at 64 streams with
-the engine at niceness 0, several lapses a minute). A thread that needs the GIL gets it
+vanished until it was granted again. A thread that needs the GIL gets it
 within the interpreter's switch interval (5 ms) however busy the loop is, and a plain
 HTTP/1.1 request to etcd's gateway (``POST /v3/lease/keepalive``, on by default on
 etcd's client URL since 3.4) needs nothing of the loop.
 
 One keeper per process and etcd (``join_keeper``): every lease of the process is
 refreshed in one request per interval (the gateway's keepalive is a stream: a body of
-several JSON requests gets one reply line each). A process of 64 mocker engines holds 64
-leases; one request a second each kept etcd ~10% busy at idle with 256 engines.
+several JSON requests gets one reply line each): a process of 64 mocker engines holds 64
+leases, and a request per lease per interval would keep etcd busy at idle.
 
 The keeper only refreshes. What a refresh learns goes back to the loop through
 callbacks the owner makes thread-safe: ``on_lost(lease)`` when etcd answers that a

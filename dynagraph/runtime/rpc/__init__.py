@@ -27,7 +27,7 @@ from __future__ import annotations
 from ._client import NOT_READY, RpcClient, RpcStream
 from ._context import REQUEST_ID_HEADER, Handler, RequestContext
 from ._framing import ProtocolError
-from ._local import LocalStream, has_local_servers, local_server
+from ._local import LocalStream, has_local_servers, local_server, wire_copy
 from ._server import RpcServer, UnknownEndpoint
 
 __all__ = [
@@ -43,4 +43,5 @@ __all__ = [
     "UnknownEndpoint",
     "has_local_servers",
     "local_server",
+    "wire_copy",
 ]

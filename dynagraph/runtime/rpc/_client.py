@@ -160,7 +160,7 @@ class RpcClient:
         """Break the streams that waited ``idle_timeout`` seconds for a frame, counted only
         while this process runs: the clock advances in steps of an eighth of the limit, and
         a step this process overran (it was starved of CPU, in a long GC, or the whole host
-        was paused: 2-7 s seen on this VM under an engine's load) counts as at most 1.5
+        was paused) counts as at most 1.5
         steps, so a stall of the *caller* is never taken for a frozen callee. After the
         limit, one more loop turn reads what is waiting on the socket.
 

@@ -23,8 +23,10 @@ CANCEL may be sent by the caller at any point of a stream. The callee cancels th
 handler and, once it is gone, ends the stream with END (ERROR if the handler raised
 something else on its way out); a CANCEL (or CREDIT) that crossed the stream's END or
 ERROR is ignored. Either way exactly one terminal frame follows, so the caller can
-forget the sid. Payloads are anything msgpack encodes; pydantic models are encoded as
-``model_dump(mode="python")`` and arrive as plain dicts. No pickle.
+forget the sid. Payloads are anything msgpack encodes; msgspec Structs are encoded as
+``msgspec.to_builtins`` makes them (fields at their defaults left out where the Struct
+says ``omit_defaults``) and pydantic models as ``model_dump(mode="python")``; both arrive
+as plain dicts. No pickle.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import msgpack
+import msgspec
 
 from dynagraph.errors import (
     WIRE_ERRORS,
@@ -64,6 +67,9 @@ HEADER_BYTES = _LEN.size
 # re-raised on the caller as their own type. InstanceUnavailable means "not processed".
 _PLANE_ERRORS: dict[str, type[DynagraphError]] = {"InstanceUnavailable": InstanceUnavailable}
 
+_RAW = (bytes, bytearray, memoryview)
+"""Left as they are by ``to_builtins`` (msgpack carries them as bin)."""
+
 # Scalar attribute types of an exception that are copied across the wire (e.g. InvalidRequest.param).
 _SCALARS = (str, int, float, bool, type(None))
 
@@ -75,12 +81,11 @@ class ProtocolError(RequestPlaneError):
 def _default(obj: Any) -> Any:
     """msgpack hook for types it does not know: pydantic models, msgspec structs,
     dataclasses, enums, sets."""
+    if isinstance(obj, msgspec.Struct):
+        return msgspec.to_builtins(obj, builtin_types=_RAW)
     dump = getattr(obj, "model_dump", None)
     if dump is not None:
         return dump(mode="python")
-    fields = getattr(obj, "__struct_fields__", None)
-    if fields is not None:
-        return {name: getattr(obj, name) for name in fields}
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
     if isinstance(obj, enum.Enum):

@@ -16,8 +16,8 @@ from typing import Any
 
 from components.kv_router import Router as KvRouter
 from dynagraph.llm.engines.base import EngineLoad
+from dynagraph.llm.engines.metrics import register_engine_load
 from dynagraph.llm.router.events import RelayBatch
-from dynagraph.observability.worker_metrics import register_engine_load
 from dynagraph.sdk import async_on_start, depends, endpoint, service
 
 LOAD = EngineLoad(running=1, waiting=2, kv_blocks_used=25, kv_blocks_total=100)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from dynagraph.cli.core_keeper import CoreKeeper, managed, plan
-from dynagraph.llm.engines.nice import defer_renice, thread_ids
+from dynagraph.runtime.nice import defer_renice, thread_ids
 
 ALL = frozenset({0, 1, 2, 3})
 

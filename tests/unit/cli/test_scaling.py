@@ -13,6 +13,7 @@ from dynagraph.planner.connector import (
     parse_replicas,
     scale_key,
 )
+from dynagraph.runtime.discovery import MemoryDiscovery, MemoryStore
 
 
 def test_nothing_to_do() -> None:
@@ -53,25 +54,24 @@ def test_processes_are_counted_once_per_host_and_pid() -> None:
     assert count_processes(records) == 3
 
 
-class FakeDiscovery:
-    def __init__(self) -> None:
-        self.kv: dict[str, tuple[Any, bool]] = {}
-
-    async def put(self, key: str, value: Any, *, lease: bool = False) -> None:
-        self.kv[key] = (value, lease)
-
-    async def get_prefix(self, prefix: str) -> dict[str, Any]:
-        return {k: v for k, (v, _) in self.kv.items() if k.startswith(prefix)}
-
-
 async def test_etcd_connector_writes_the_scale_key_on_its_lease() -> None:
-    disc = FakeDiscovery()
-    conn = EtcdScaleConnector(disc, "dyn")
-    await conn.set_replicas("MockerWorker", 3)
-    assert disc.kv[scale_key("dyn", "MockerWorker")] == ({"replicas": 3}, True)
-    assert scale_key("dyn", "MockerWorker") == "/dyn/scale/MockerWorker"
-    disc.kv["/dyn/instances/MockerWorker/a"] = ({"pid": 1, "host": "h"}, True)
-    disc.kv["/dyn/instances/MockerWorkerX/b"] = ({"pid": 2, "host": "h"}, True)
-    assert await conn.serving("MockerWorker") == 1
-    with pytest.raises(ValueError):
-        await conn.set_replicas("MockerWorker", -1)
+    store = MemoryStore()
+    disc, reader = MemoryDiscovery(store), MemoryDiscovery(store)
+    await disc.start()
+    await reader.start()
+    try:
+        conn = EtcdScaleConnector(disc, "dyn")
+        await conn.set_replicas("MockerWorker", 3)
+        assert scale_key("dyn", "MockerWorker") == "/dyn/scale/MockerWorker"
+        assert await reader.get_prefix("/dyn/scale/") == {
+            "/dyn/scale/MockerWorker": {"replicas": 3}}
+        await reader.put("/dyn/instances/MockerWorker/a", {"pid": 1, "host": "h"}, lease=True)
+        await reader.put("/dyn/instances/MockerWorkerX/b", {"pid": 2, "host": "h"}, lease=True)
+        assert await conn.serving("MockerWorker") == 1
+        with pytest.raises(ValueError):
+            await conn.set_replicas("MockerWorker", -1)
+        disc.expire()  # the connector's process is gone: so is its scale key (its lease)
+        assert await reader.get_prefix("/dyn/scale/") == {}
+    finally:
+        await disc.close()
+        await reader.close()

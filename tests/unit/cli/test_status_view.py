@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from dynagraph.cli.live_catalog import SettingValue
 from dynagraph.cli.status_view import Instance, Load, Snapshot, age, load_from_metrics, render
 from dynagraph.llm.engines.base import EngineLoad
-from dynagraph.observability.worker_metrics import register_engine_load
+from dynagraph.llm.engines.metrics import register_engine_load
 
 NOW = 1_000_000.0
 

@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
 import pytest
 
 from components.kv_router import Router, RouterConfig
+from components.worker import VllmWorker
 from dynagraph.errors import NoInstancesError, StreamBroken
 from dynagraph.llm.engines.base import EngineLoad
 from dynagraph.llm.router import BlockHasher, CostModel, RouteRequest, RouterMode, RouterState
 from dynagraph.llm.router.events import RelayBatch
 from dynagraph.runtime.discovery import MemoryDiscovery, MemoryStore
 from dynagraph.sdk import RuntimeContext
+from dynagraph.sdk.testing import in_memory_client
 from tests.support.poll import until
 
 A, B = 0xA1, 0xB2
@@ -275,7 +279,8 @@ def test_round_robin_and_random_modes() -> None:
 
 
 class FakeWorkers:
-    """Stands in for ``self.worker``: one queue per (worker, endpoint) stream."""
+    """The workers' endpoints behind ``self.worker``: one queue per (worker, endpoint)
+    stream; the workers are those registered in ``store``."""
 
     def __init__(self) -> None:
         self.queues: dict[tuple[int, str], asyncio.Queue[Any]] = {}
@@ -283,6 +288,12 @@ class FakeWorkers:
 
     def q(self, w: int, ep: str) -> asyncio.Queue[Any]:
         return self.queues.setdefault((w, ep), asyncio.Queue())
+
+    def client(self, watch: Any) -> Any:
+        endpoints = ("generate", "release", "kv_events", "load_metrics")
+        return in_memory_client(
+            VllmWorker, {ep: functools.partial(self.direct, endpoint=ep) for ep in endpoints},
+            instance_ids=lambda: [i.instance_id for i in watch.instances()])
 
     async def direct(self, request: Any, instance_id: int, *,
                      endpoint: str = "generate") -> AsyncIterator[Any]:
@@ -300,8 +311,9 @@ async def _router(store: MemoryStore, fake: FakeWorkers, **cfg: Any) -> Router:
     await disc.start()
     runtime = RuntimeContext(namespace="dynamo", component="Router", worker_index=0,
                              instance_id=disc.instance_id, discovery=disc)
+    watch = await disc.watch_instances("dynamo", "VllmWorker", "kv_events")
     router = Router(RouterConfig(seed=0, reconnect_delay=0.01, **cfg), runtime=runtime,
-                    worker=fake)
+                    worker=fake.client(watch))
     await router.start()
     return router
 
@@ -315,10 +327,15 @@ async def _worker(store: MemoryStore) -> MemoryDiscovery:
     return disc
 
 
+def wire(item: Any) -> Any:
+    """An endpoint's item as it travels (plain values, defaults left out)."""
+    return msgspec.to_builtins(item)
+
+
 async def _route(router: Router, tokens: list[int]) -> dict[str, Any]:
     gen = router.generate(RouteRequest(token_ids=tokens))
     try:
-        return await anext(gen)
+        return wire(await anext(gen))  # type: ignore[no-any-return]
     finally:
         await gen.aclose()  # type: ignore[attr-defined]
 
@@ -341,13 +358,13 @@ async def test_router_follows_workers_events_loads_settings_and_lease_expiry() -
         assert got == {"worker_id": b, "overlap_blocks": 6, "request_blocks": 7, "mode": "kv"}
 
         gen = router.generate(RouteRequest(token_ids=shared, mode=RouterMode.KV_LOAD))
-        assert (await anext(gen))["mode"] == "kv-load"
+        assert wire(await anext(gen))["mode"] == "kv-load"
         await gen.aclose()  # type: ignore[attr-defined]
         await wa.put("/dynamo/settings/Router/mode", "round-robin")
         await until(lambda: router.mode_for(None) is RouterMode.ROUND_ROBIN)
         assert {(await _route(router, shared))["worker_id"] for _ in range(2)} == {a, b}
         gen = router.generate(RouteRequest(token_ids=shared, mode=RouterMode.KV_LOAD))
-        assert (await anext(gen))["mode"] == "round-robin"  # etcd wins over the request
+        assert wire(await anext(gen))["mode"] == "round-robin"  # etcd wins over the request
         await gen.aclose()  # type: ignore[attr-defined]
         await wa.put("/dynamo/settings/Router/mode", "nonsense")
         await wa.delete("/dynamo/settings/Router/mode")
@@ -372,7 +389,7 @@ async def test_tracked_request_counts_until_the_caller_closes() -> None:
         tokens = prompt(9, 3)
         gen = router.generate(RouteRequest(token_ids=tokens, track=True))
         first = await anext(gen)
-        assert first["worker_id"] == w
+        assert first.worker_id == w
         assert len(router.state.inflight[w]) == 3
         waiter = asyncio.ensure_future(anext(gen))
         await asyncio.sleep(0.01)
@@ -402,11 +419,11 @@ async def test_gated_decisions_carry_the_pressure_before_the_request() -> None:
             running=3, waiting=2, kv_blocks_used=50, kv_blocks_total=200).model_dump())
         await until(lambda: w in router.state.healthy)
         plain = router.generate(RouteRequest(token_ids=prompt(9, 1), track=True))
-        assert "pressure" not in await anext(plain)  # only a gated request needs it
+        assert "pressure" not in wire(await anext(plain))  # only a gated request needs it
         await plain.aclose()  # type: ignore[attr-defined]
         gens = [router.generate(RouteRequest(token_ids=prompt(i, 1), track=True,
                                              admission=gate)) for i in range(2)]
-        seen = [(await anext(g))["pressure"]["workers"][0] for g in gens]
+        seen = [wire(await anext(g))["pressure"]["workers"][0] for g in gens]
         assert all(p.pop("predicted_ttft_s") > 0 for p in seen)
         # the first request may still be in prefill (forecast) when the second is decided
         first, second = (p.pop("prefilling", 0) for p in seen)
@@ -438,7 +455,7 @@ async def test_admission_is_judged_and_counted_in_one_step() -> None:
     try:
         gens = [router.generate(RouteRequest(token_ids=prompt(i, 1), track=True,
                                              admission=gate)) for i in range(3)]
-        got = [await anext(g) for g in gens]
+        got = [wire(await anext(g)) for g in gens]
         assert [d["verdict"]["action"] for d in got] == ["admit", "admit", "delay"]
         assert got[2]["verdict"]["delay_s"] == 0.1
         assert router.pressure.inflight == {w: 2}

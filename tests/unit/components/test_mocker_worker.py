@@ -32,12 +32,13 @@ from dynagraph.errors import InvalidRequest, Requeued
 from dynagraph.llm.disagg import PrefillResult
 from dynagraph.llm.engines.base import EngineLoad
 from dynagraph.llm.engines.mocker.serving import tokenizer_vocab
-from dynagraph.llm.protocol import PreprocessedRequest, SamplingParams
+from dynagraph.llm.protocol import PreprocessedRequest, Release, Released, SamplingParams
 from dynagraph.llm.router.events import RelayBatch
 from dynagraph.llm.router.hashing import BlockHasher, seed_from_env
 from dynagraph.runtime.discovery import MemoryDiscovery, MemoryStore
 from dynagraph.runtime.queue import MemoryPrefillQueue
 from dynagraph.sdk import RuntimeContext
+from dynagraph.sdk.testing import in_memory_client
 from tests.support.metrics import total
 from tests.support.poll import until
 
@@ -86,16 +87,16 @@ async def test_generate_metadata_and_vocabulary_as_a_vllm_worker(tiny_tokenizer_
     rt = await runtime(store, "MockerWorker")
     async with running(MockerWorker(config(tiny_tokenizer_dir), runtime=rt)) as worker:
         out = await collect(worker.generate(request("r1", prompt(1, 100), max_tokens=5)))
-        assert [len(o["token_ids"]) for o in out] == [1] * 5
-        assert (out[0]["prompt_tokens"], out[0]["cached_tokens"]) == (100, 0)
-        assert out[-1]["finish_reason"] == "length" and out[-1]["prompt_tokens"] == 100
-        assert all(o.get("finish_reason") is None for o in out[:-1])
+        assert [len(o.token_ids) for o in out] == [1] * 5
+        assert (out[0].prompt_tokens, out[0].cached_tokens) == (100, 0)
+        assert out[-1].finish_reason == "length" and out[-1].prompt_tokens == 100
+        assert all(o.finish_reason is None for o in out[:-1])
         vocab, specials = tokenizer_vocab(str(tiny_tokenizer_dir))
-        tokens = [t for o in out for t in o["token_ids"]]
+        tokens = [t for o in out for t in o.token_ids]
         assert all(0 <= t < vocab and t not in specials for t in tokens)
         again = await collect(worker.generate(request("r2", prompt(1, 100), max_tokens=5)))
-        assert [t for o in again for t in o["token_ids"]] == tokens  # greedy: same prompt
-        assert again[0]["cached_tokens"] == 96  # three full blocks from the prefix cache
+        assert [t for o in again for t in o.token_ids] == tokens  # greedy: same prompt
+        assert again[0].cached_tokens == 96  # three full blocks from the prefix cache
         hasher = worker.engine.hasher
         assert {k: rt.metadata[k] for k in ("block_size", "max_model_len", "kv_events",
                                              "kv_hash_algo", "kv_hash_seed")} == {
@@ -120,16 +121,16 @@ async def test_release_hands_back_only_requests_waiting_for_a_place(
     cfg = config(tiny_tokenizer_dir, max_num_seqs=1, speed=1.0)
     async with running(MockerWorker(cfg, runtime=rt)) as worker:
         running_one = worker.generate(request("r1", prompt(1, 64), max_tokens=200))
-        assert (await anext(running_one))["token_ids"]  # started: has a place
+        assert (await anext(running_one)).token_ids  # started: has a place
         waiting = asyncio.ensure_future(collect(worker.generate(request("r2", prompt(2, 64)))))
         await until(lambda: worker.engine.load().waiting == 1)
-        assert await anext(worker.release({"count": 5})) == {"released": 1}  # only the waiter
+        assert await anext(worker.release(Release(count=5))) == Released(released=1)  # only the waiter
         with pytest.raises(Requeued):
             await waiting
         await until(lambda: worker.engine.load().waiting == 0)
-        assert (await anext(running_one))["token_ids"]  # the running one goes on
+        assert (await anext(running_one)).token_ids  # the running one goes on
         await running_one.aclose()  # type: ignore[attr-defined]
-        assert await anext(worker.release({"count": 1})) == {"released": 0}
+        assert await anext(worker.release(Release(count=1))) == Released(released=0)
 
 
 async def test_kv_events_stream_a_snapshot_then_net_deltas(tiny_tokenizer_dir: Path) -> None:
@@ -189,7 +190,8 @@ class _Clients:
         self.decode = decode
         self.calls: list[tuple[str, str]] = []
 
-    async def endpoint(self, namespace: str, component: str, endpoint: str) -> Any:
+    async def endpoint(self, namespace: str, component: str, endpoint: str, *,
+                       response_type: type | None = None) -> Any:
         self.calls.append((component, endpoint))
         outer = self
 
@@ -202,23 +204,22 @@ class _Clients:
         return Client()
 
 
-class _PrefillClient:
-    """The decode worker's ``self.prefill``: one local MockerPrefillWorker."""
+def _prefill_client(worker: MockerPrefillWorker, instance_id: int,
+                    fetched: list[str]) -> Any:
+    """The decode worker's ``self.prefill``: one local MockerPrefillWorker; the requests
+    its blocks were fetched for go to ``fetched``."""
 
-    def __init__(self, worker: MockerPrefillWorker, instance_id: int) -> None:
-        self.worker = worker
-        self.id = instance_id
-        self.fetched: list[str] = []
-
-    def instance_ids(self, endpoint: str = "generate") -> list[int]:
-        return [self.id]
-
-    async def direct(self, msg: Any, instance_id: int, *, endpoint: str) -> AsyncIterator[Any]:
-        assert (instance_id, endpoint) == (self.id, "kv_fetched")
+    async def kv_fetched(msg: Any, iid: int) -> AsyncIterator[Any]:
         req = msgspec.convert(msg, KvFetched)
-        self.fetched.append(req.request_id)
-        async for item in self.worker.kv_fetched(req):
+        fetched.append(req.request_id)
+        async for item in worker.kv_fetched(req):
             yield item
+
+    async def status(msg: Any, iid: int) -> AsyncIterator[Any]:
+        yield {}
+
+    return in_memory_client(MockerPrefillWorker, {"kv_fetched": kv_fetched, "status": status},
+                            instance_ids=[instance_id])
 
 
 async def test_remote_prefill_queue_handoff_and_simulated_transfer(
@@ -230,7 +231,8 @@ async def test_remote_prefill_queue_handoff_and_simulated_transfer(
         model=str(tiny_tokenizer_dir), block_size=BS, max_model_len=2048, speed=SPEED,
         num_gpu_blocks=512), runtime=prt)
     prefill.queue = queue
-    client = _PrefillClient(prefill, prt.instance_id)
+    fetched: list[str] = []
+    client = _prefill_client(prefill, prt.instance_id, fetched)
     bandwidth = 0.1  # GB/s: 1,000 tokens x 2,048 bytes take 20 ms, 0.4 ms after speed 50
     decode = MockerWorker(config(tiny_tokenizer_dir, remote_prefill=True,
                                  max_local_prefill_length=256,
@@ -242,9 +244,9 @@ async def test_remote_prefill_queue_handoff_and_simulated_transfer(
     async with running(prefill), running(decode):
         long_prompt = prompt(4, 1000)
         out = await collect(decode.generate(request("long", long_prompt, max_tokens=3)))
-        assert out[-1]["finish_reason"] == "length"
-        assert sum(len(o["token_ids"]) for o in out) == 3
-        assert out[0]["cached_tokens"] == 1000  # the prompt's KV came from the peer (as vLLM counts)
+        assert out[-1].finish_reason == "length"
+        assert sum(len(o.token_ids) for o in out) == 3
+        assert out[0].cached_tokens == 1000  # the prompt's KV came from the peer (as vLLM counts)
         text = _exposition(drt.registry)
         label = f'worker="{drt.instance_id:x}"'
         assert total(text, "dynamo_worker_kv_transfers_total", label) == 1
@@ -253,10 +255,10 @@ async def test_remote_prefill_queue_handoff_and_simulated_transfer(
         assert prefill.outcomes == {"handed-off": 1}
         assert prt.clients.calls == [("MockerWorker", "prefill_done")]  # type: ignore[union-attr]
         # The decode side told the producer its blocks were read: they are free again.
-        await until(lambda: client.fetched == ["long-prefill-1"])
+        await until(lambda: fetched == ["long-prefill-1"])
         await until(lambda: prefill.engine.load().kv_blocks_used == 0)
         short = await collect(decode.generate(request("short", prompt(5, 100), max_tokens=2)))
-        assert short[0]["cached_tokens"] == 0
+        assert short[0].cached_tokens == 0
         text = _exposition(drt.registry)
         assert total(text, "dynamo_worker_prefill_requests_total", 'where="local"') == 1
         assert total(text, "dynamo_worker_kv_transfers_total", label) == 1

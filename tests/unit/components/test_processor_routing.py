@@ -9,10 +9,14 @@ from typing import Any
 
 import pytest
 
+from components.kv_router import Router
 from components.processor import Processor, ProcessorConfig
+from components.worker import VllmWorker
 from dynagraph.errors import InstanceUnavailable, NoInstancesError, RemoteError, StreamBroken
 from dynagraph.llm.migration import Attempt
 from dynagraph.llm.protocol import PreprocessedRequest, SamplingParams
+from dynagraph.sdk import instance_ids
+from dynagraph.sdk.testing import in_memory_client
 
 
 class FakeRouter:
@@ -21,7 +25,10 @@ class FakeRouter:
         self.asked: list[Any] = []
         self.closed = 0
 
-    async def generate(self, request: Any) -> AsyncIterator[Any]:
+    def client(self) -> Any:
+        return in_memory_client(Router, {"generate": self.generate})
+
+    async def generate(self, request: Any, instance_id: int) -> AsyncIterator[Any]:
         self.asked.append(request)
         try:
             if isinstance(self.answer, Exception):
@@ -37,22 +44,23 @@ class FakeWorkers:
         self.broken = broken or {}
         self.calls: list[int] = []
 
-    def instance_ids(self) -> list[int]:
-        return list(self.ids)
+    def client(self) -> Any:
+        return in_memory_client(VllmWorker, {"generate": self.direct},
+                                instance_ids=lambda: self.ids)
 
-    async def direct(self, request: Any, instance_id: int, **kw: Any) -> AsyncIterator[Any]:
+    async def direct(self, request: Any, instance_id: int) -> AsyncIterator[Any]:
         self.calls.append(instance_id)
         if instance_id in self.broken:
             raise self.broken[instance_id]
-        yield {"from": instance_id}
-        yield {"from": instance_id, "done": True}
+        yield {"token_ids": [instance_id]}
+        yield {"token_ids": [instance_id], "finish_reason": "length"}
 
 
 @pytest.fixture
 def processor(tiny_tokenizer_dir: Path) -> Callable[[Any, FakeWorkers], Processor]:
     def make(router: Any, workers: FakeWorkers) -> Processor:
         config = ProcessorConfig(model=str(tiny_tokenizer_dir), router_mode="kv")
-        return Processor(config, router=router, worker=workers)
+        return Processor(config, router=router.client(), worker=workers.client())
 
     return make
 
@@ -67,17 +75,17 @@ def decision(worker_id: int) -> dict[str, Any]:
 async def run(p: Processor, tokens: list[int], attempt: Attempt | None = None) -> list[Any]:
     pre = PreprocessedRequest(request_id="r", token_ids=tokens,
                               sampling=SamplingParams(max_tokens=2))
-    live = tuple(p.worker.instance_ids())
+    live = tuple(instance_ids(p.worker.generate))
     at = attempt or Attempt()
     if p.use_router:
         return [x async for x in p._routed(pre, live, at)]
-    return [x async for x in p._first_reachable(pre.to_wire(), None, live, at)]
+    return [x async for x in p._first_reachable(pre, None, live, at)]
 
 
 async def test_calls_the_worker_the_router_chose_and_closes_the_route(processor: Make) -> None:
     router, workers = FakeRouter(decision(7)), FakeWorkers([5, 7])
     out = await run(processor(router, workers), [1, 2, 3])
-    assert [x["from"] for x in out] == [7, 7] and workers.calls == [7]
+    assert [x.token_ids[0] for x in out] == [7, 7] and workers.calls == [7]
     assert router.asked == [{"token_ids": [1, 2, 3], "track": True, "mode": "kv",
                             "workers": [5, 7]}]
     assert router.closed == 1
@@ -88,13 +96,13 @@ async def test_calls_the_worker_the_router_chose_and_closes_the_route(processor:
 async def test_a_dead_chosen_worker_falls_back_to_another(exc: Exception, processor: Make) -> None:
     workers = FakeWorkers([5, 7], broken={7: exc})
     out = await run(processor(FakeRouter(decision(7)), workers), [1])
-    assert [x["from"] for x in out] == [5, 5] and workers.calls == [7, 5]
+    assert [x.token_ids[0] for x in out] == [5, 5] and workers.calls == [7, 5]
 
 
 async def test_a_failing_router_means_round_robin(processor: Make) -> None:
     workers = FakeWorkers([5, 7])
     p = processor(FakeRouter(RemoteError("Boom", "router bug")), workers)
-    firsts = [(await run(p, [1]))[0]["from"] for _ in range(4)]
+    firsts = [(await run(p, [1]))[0].token_ids[0] for _ in range(4)]
     assert sorted(firsts) == [5, 5, 7, 7]
 
 
@@ -111,13 +119,13 @@ async def test_excluded_workers_are_not_asked_even_if_the_router_says_so(process
     attempt = Attempt()
     attempt.failed(7)
     out = await run(processor(FakeRouter(decision(7)), workers), [1], attempt)
-    assert [x["from"] for x in out] == [5, 5] and workers.calls == [5] and attempt.worker == 5
+    assert [x.token_ids[0] for x in out] == [5, 5] and workers.calls == [5] and attempt.worker == 5
 
 
 async def test_a_migration_finds_a_worker_that_joined_after_the_request_began(
         processor: Make) -> None:
     class Workers(FakeWorkers):
-        async def direct(self, request: Any, instance_id: int, **kw: Any) -> AsyncIterator[Any]:
+        async def direct(self, request: Any, instance_id: int) -> AsyncIterator[Any]:
             self.calls.append(instance_id)
             if instance_id == 7:  # the only worker when the request began: dies mid-stream
                 yield {"token_ids": [11]}
@@ -130,7 +138,7 @@ async def test_a_migration_finds_a_worker_that_joined_after_the_request_began(
     pre = PreprocessedRequest(request_id="r", token_ids=[1, 2],
                               sampling=SamplingParams(max_tokens=2))
     out = [x async for x in p._dispatch(pre, lambda: tuple(workers.ids))]
-    assert [t for x in out for t in x["token_ids"]] == [11, 12]
+    assert [t for x in out for t in x.token_ids] == [11, 12]
     assert workers.calls == [7, 9]
 
 
@@ -142,7 +150,7 @@ async def test_a_stalled_worker_is_asked_again_once_every_other_has_failed(
     class Workers(FakeWorkers):
         stalled = True
 
-        async def direct(self, request: Any, instance_id: int, **kw: Any) -> AsyncIterator[Any]:
+        async def direct(self, request: Any, instance_id: int) -> AsyncIterator[Any]:
             self.calls.append(instance_id)
             if instance_id == 5 and self.stalled:
                 self.stalled = False
@@ -157,7 +165,7 @@ async def test_a_stalled_worker_is_asked_again_once_every_other_has_failed(
     pre = PreprocessedRequest(request_id="r", token_ids=[1, 2],
                               sampling=SamplingParams(max_tokens=2))
     out = [x async for x in p._dispatch(pre, lambda: tuple(workers.ids))]
-    assert [t for x in out for t in x["token_ids"]] == [11, 12]
+    assert [t for x in out for t in x.token_ids] == [11, 12]
     assert workers.calls == [5, 7, 5], workers.calls
 
 # --- SLO-aware admission ---------------------------------------------------------------
@@ -170,7 +178,7 @@ class ScriptedRouter(FakeRouter):
         super().__init__(answers[0])
         self.answers = answers
 
-    async def generate(self, request: Any) -> AsyncIterator[Any]:
+    async def generate(self, request: Any, instance_id: int) -> AsyncIterator[Any]:
         answer = self.answers[min(len(self.asked), len(self.answers) - 1)]
         self.asked.append(request)
         try:
@@ -190,7 +198,7 @@ def slo_processor(tiny_tokenizer_dir: Path, router: Any, workers: FakeWorkers,
         "model": str(tiny_tokenizer_dir), "router-mode": "kv",
         "slo-admission": {"enabled": True, "delay-at-requests": 2, "shed-at-requests": 50,
                           "delay-step": 0.01, "max-delay": max_delay}})
-    return Processor(config, router=router, worker=workers)
+    return Processor(config, router=router.client(), worker=workers.client())
 
 
 async def run_as(p: Processor, slo_class: str) -> list[Any]:
@@ -198,7 +206,7 @@ async def run_as(p: Processor, slo_class: str) -> list[Any]:
 
     pre = PreprocessedRequest(request_id="r", token_ids=[1, 2], tenant=TenantToken(
         tenant="t", slo_class=slo_class), sampling=SamplingParams(max_tokens=2))
-    return [x async for x in p._routed(pre, tuple(p.worker.instance_ids()), Attempt(),
+    return [x async for x in p._routed(pre, tuple(instance_ids(p.worker.generate)), Attempt(),
                                        admission=True)]
 
 
@@ -206,7 +214,7 @@ async def test_batch_waits_while_under_pressure_then_goes(tiny_tokenizer_dir: Pa
     router = ScriptedRouter([pressured(7, 5), pressured(7, 3), pressured(7, 1)])
     workers = FakeWorkers([7])
     out = await run_as(slo_processor(tiny_tokenizer_dir, router, workers, 5.0), "batch")
-    assert [x["from"] for x in out] == [7, 7] and workers.calls == [7]
+    assert [x.token_ids[0] for x in out] == [7, 7] and workers.calls == [7]
     # every ask is a tracked route with a gate; the two delayed ones were closed at once
     assert len(router.asked) == 3 and router.closed == 3
     assert all(a["track"] and a["slo_class"] == "batch" for a in router.asked)
@@ -221,7 +229,7 @@ async def test_deferrable_requests_ask_one_at_a_time_in_arrival_order(
     workers = FakeWorkers([7])
     p = slo_processor(tiny_tokenizer_dir, router, workers, 5.0)
     first, second = await asyncio.gather(run_as(p, "batch"), run_as(p, "batch"))
-    assert first == second == [{"from": 7}, {"from": 7, "done": True}]
+    assert [x.token_ids for x in first] == [x.token_ids for x in second] == [[7], [7]]
     # the first asked 4 times (3 delays, then admitted) before the second asked at all
     waited = [a["admission"]["waited_s"] for a in router.asked]
     assert len(waited) == 5 and waited[3] < waited[4] and waited[4] >= 0.03, waited
@@ -234,7 +242,7 @@ async def test_the_routers_verdict_wins_over_its_pressure_snapshot(
     admitted = {**pressured(7, 9), "verdict": {"action": "admit"}}
     router, workers = ScriptedRouter([delayed, admitted]), FakeWorkers([7])
     out = await run_as(slo_processor(tiny_tokenizer_dir, router, workers, 5.0), "batch")
-    assert [x["from"] for x in out] == [7, 7] and len(router.asked) == 2
+    assert [x.token_ids[0] for x in out] == [7, 7] and len(router.asked) == 2
 
 
 async def test_deferrable_work_waits_while_the_router_does_not_answer(
@@ -247,7 +255,7 @@ async def test_deferrable_work_waits_while_the_router_does_not_answer(
     assert len(router.asked) >= 2 and workers.calls == []  # every 0.01 s for 0.03 s
     # not deferrable: round robin as before
     out = await run_as(slo_processor(tiny_tokenizer_dir, router, workers, 0.03), "interactive")
-    assert [x["from"] for x in out] == [7, 7]
+    assert [x.token_ids[0] for x in out] == [7, 7]
 
 
 async def test_interactive_goes_at_once_and_batch_is_shed_past_max_delay(
@@ -256,7 +264,7 @@ async def test_interactive_goes_at_once_and_batch_is_shed_past_max_delay(
 
     router, workers = ScriptedRouter([pressured(7, 5)]), FakeWorkers([7])
     p = slo_processor(tiny_tokenizer_dir, router, workers, 0.03)
-    assert [x["from"] for x in await run_as(p, "interactive")] == [7, 7]
+    assert [x.token_ids[0] for x in await run_as(p, "interactive")] == [7, 7]
     assert len(router.asked) == 1
     with pytest.raises(RequestShed, match="batch work shed after waiting") as info:
         await run_as(p, "batch")

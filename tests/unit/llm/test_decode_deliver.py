@@ -13,8 +13,8 @@ from dynagraph.llm.disagg.coordinator import (
 from dynagraph.llm.disagg.decode import DecodeDisagg
 from dynagraph.llm.disagg.keys import DecodeDisaggKeys
 from dynagraph.llm.disagg.policy import DisaggConfig, LiveDisaggSettings
-from dynagraph.llm.kv.nixl_peers import NixlPeers
-from dynagraph.llm.kv.nixl_side import NixlEndpoint, nixl_key
+from dynagraph.llm.kv.transfer.nixl_peers import NixlPeers
+from dynagraph.llm.kv.transfer.nixl_side import NixlEndpoint, nixl_key
 from dynagraph.llm.router.hashing import BlockHasher
 from dynagraph.runtime.discovery import MemoryDiscovery, MemoryStore
 from dynagraph.runtime.queue import MemoryPrefillQueue, ReplyTarget

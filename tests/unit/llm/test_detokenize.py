@@ -1,8 +1,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping
-from typing import Any
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -242,12 +241,12 @@ class EngineStream:
         self.served = 0
         self.closed = False
 
-    async def gen(self) -> AsyncIterator[Mapping[str, Any]]:
+    async def gen(self) -> AsyncIterator[LLMEngineOutput]:
         try:
             for out in self.outputs:
                 self.served += 1
                 await asyncio.sleep(0)
-                yield out.to_wire()
+                yield out
         finally:
             self.closed = True
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import Any
 
 import pytest
 
@@ -16,7 +15,7 @@ from dynagraph.llm.migration import (
     continuation,
     migrating,
 )
-from dynagraph.llm.protocol import PreprocessedRequest, SamplingParams
+from dynagraph.llm.protocol import LLMEngineOutput, PreprocessedRequest, SamplingParams
 from tests.support.poll import collect
 
 
@@ -36,7 +35,7 @@ class Workers:
         self.calls: list[tuple[int, PreprocessedRequest]] = []
 
     async def dispatch(self, req: PreprocessedRequest, attempt: Attempt
-                       ) -> AsyncIterator[dict[str, Any]]:
+                       ) -> AsyncIterator[LLMEngineOutput]:
         w = attempt.allowed(self.ids)[0]
         attempt.worker = w
         self.calls.append((w, req))
@@ -50,12 +49,11 @@ class Workers:
                 tok = next_token(context)
                 context.append(tok)
                 last = i == req.sampling.max_tokens - 1
-                out: dict[str, Any] = {"token_ids": [tok],
-                                       "finish_reason": "length" if last else None}
+                out = LLMEngineOutput(token_ids=[tok], finish_reason="length" if last else None)
                 if i == 0:
-                    out.update(prompt_tokens=len(req.token_ids), cached_tokens=3)
+                    out.prompt_tokens, out.cached_tokens = len(req.token_ids), 3
                 if n > 1:
-                    out["index"] = index
+                    out.index = index
                 yield out
                 await asyncio.sleep(0)
 
@@ -66,8 +64,8 @@ def request(max_tokens: int = 12, prompt: list[int] | None = None) -> Preprocess
                                                        min_tokens=4))
 
 
-def tokens(outs: list[dict[str, Any]]) -> list[int]:
-    return [t for o in outs for t in o["token_ids"]]
+def tokens(outs: list[LLMEngineOutput]) -> list[int]:
+    return [t for o in outs for t in o.token_ids]
 
 
 async def test_an_unbroken_stream_passes_through() -> None:
@@ -84,14 +82,14 @@ async def test_a_broken_stream_continues_elsewhere_token_for_token(error: Except
     outs = await collect(migrating(request(), w.dispatch, limit=3,
                                    on_migrate=lambda wid, exc: migrated.append(wid)))
     assert tokens(outs) == whole  # no duplicate, no gap: greedy output unchanged
-    assert [o["finish_reason"] for o in outs].count("length") == 1
+    assert [o.finish_reason for o in outs].count("length") == 1
     assert migrated == [1]
     (_, first), (second_worker, second) = w.calls
     assert second_worker == 2  # the failed worker is not asked again
     assert second.token_ids == first.token_ids + whole[:5]
     assert second.sampling.max_tokens == 7 and second.sampling.min_tokens == 0
     assert second.request_id == "r1-m1"
-    assert [o.get("prompt_tokens") for o in outs if "prompt_tokens" in o] == [4]  # the original
+    assert [o.prompt_tokens for o in outs if o.prompt_tokens is not None] == [4]  # the original
 
 
 async def test_a_failure_before_any_output_is_retried_too() -> None:
@@ -109,14 +107,14 @@ async def test_a_request_handed_back_is_placed_again_without_counting_a_failure(
     # not a failure: the same worker may take it again (here it does: the fake asks 1)
     assert [(wid, r.request_id, r.token_ids) for wid, r in w.calls] == [
         (1, "r1", [5, 6, 7, 8]), (1, "r1-q1", [5, 6, 7, 8])]
-    assert [o.get("prompt_tokens") for o in outs if "prompt_tokens" in o] == [4]
+    assert [o.prompt_tokens for o in outs if o.prompt_tokens is not None] == [4]
 
 
 async def test_endless_hand_backs_end_as_a_failure() -> None:
     calls = 0
 
     async def handing_back(req: PreprocessedRequest, attempt: Attempt
-                           ) -> AsyncIterator[dict[str, Any]]:
+                           ) -> AsyncIterator[LLMEngineOutput]:
         nonlocal calls
         calls += 1
         attempt.worker = 1
@@ -130,7 +128,7 @@ async def test_endless_hand_backs_end_as_a_failure() -> None:
 
 async def test_the_limit_gives_a_clear_error_never_a_short_answer() -> None:
     w = Workers(3, fail_after={1: 2, 2: 3})
-    got: list[dict[str, Any]] = []
+    got: list[LLMEngineOutput] = []
     with pytest.raises(MigrationExhausted, match="failed 2 times .migration-limit 1."):
         async for out in migrating(request(), w.dispatch, limit=1):
             got.append(out)
@@ -156,14 +154,14 @@ async def test_n_choices_continue_one_by_one_with_their_index() -> None:
     w = Workers(2, fail_after={1: 2})  # breaks inside choice 0: choices 1 and 2 never began
     outs = await collect(migrating(req, w.dispatch, limit=3))
 
-    def by_index(got: list[dict[str, Any]]) -> dict[int, list[int]]:
+    def by_index(got: list[LLMEngineOutput]) -> dict[int, list[int]]:
         per: dict[int, list[int]] = {}
         for o in got:
-            per.setdefault(o.get("index", 0), []).extend(o["token_ids"])
+            per.setdefault(o.index, []).extend(o.token_ids)
         return per
 
     assert by_index(outs) == by_index(whole)
-    assert sum(o.get("finish_reason") == "length" for o in outs) == 3
+    assert sum(o.finish_reason == "length" for o in outs) == 3
     continued = [r for _, r in w.calls[1:]]
     assert {r.sampling.n for r in continued} == {1} and len(continued) == 3
 

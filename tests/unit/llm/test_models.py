@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dynagraph.llm.engines.vllm_engine import VllmEngineArgs
+from dynagraph.llm.engines.vllm.args import VllmEngineArgs
 from dynagraph.llm.models import ModelDirectory, served_model_metadata, served_models
 
 

@@ -119,17 +119,17 @@ def test_whole_tool_calls_arrive_with_the_finish(tok: Tokenizer) -> None:
         "name": "f", "arguments": "{}"}
 
 
-async def _outputs(items: list[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
+async def _outputs(items: list[LLMEngineOutput]) -> AsyncIterator[LLMEngineOutput]:
     for item in items:
         yield item
 
 
 async def test_assemble_stream_merges_prompts_and_checks_the_end(tok: Tokenizer) -> None:
     a = assembler(tok, {"prompt": ["x", "y"], "max_tokens": 1})
-    streams = [_outputs([out([5], finish_reason="length").to_wire()]),
-               _outputs([out([6], finish_reason="length").to_wire()])]
+    streams = [_outputs([out([5], finish_reason="length")]),
+               _outputs([out([6], finish_reason="length")])]
     chunks: list[TextChunk] = [c async for c in assemble_stream(a, streams)]
     assert sorted(c.index for c in chunks) == [0, 1]
     short = assembler(tok, {"prompt": "x", "max_tokens": 3})
     with pytest.raises(EngineError, match="before every choice finished"):
-        [c async for c in assemble_stream(short, [_outputs([out([5]).to_wire()])])]
+        [c async for c in assemble_stream(short, [_outputs([out([5])])])]

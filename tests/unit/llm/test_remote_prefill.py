@@ -18,11 +18,11 @@ from dynagraph.llm.disagg.coordinator import (
     PrefixCacheEstimate,
     RemotePrefillCoordinator,
 )
+from dynagraph.llm.disagg.metrics import PrefillMetrics
 from dynagraph.llm.disagg.policy import DisaggConfig, LiveDisaggSettings
 from dynagraph.llm.disagg.prefill import PrefillJobHandler, serve_queue
 from dynagraph.llm.engines.base import EngineOutput, SamplingSpec
 from dynagraph.llm.router.hashing import BlockHasher
-from dynagraph.observability.disagg_metrics import PrefillMetrics
 from dynagraph.runtime.queue import (
     MemoryPrefillQueue,
     PrefillQueueError,

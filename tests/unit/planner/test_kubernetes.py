@@ -15,6 +15,7 @@ from dynagraph.planner.kubernetes import (
     KubeScaleApi,
     deployment_name,
 )
+from dynagraph.runtime.discovery import MemoryDiscovery
 
 
 class FakeApiServer:
@@ -48,15 +49,13 @@ def api_for(server: FakeApiServer) -> KubeScaleApi:
                                           headers={"Authorization": "Bearer t0k"}))
 
 
-class FakeDiscovery:
-    def __init__(self, records: dict[str, Any]) -> None:
-        self.records = records
-
-    async def put(self, key: str, value: Any, *, lease: bool = False) -> None:
-        raise AssertionError("the Kubernetes connector writes no scale key")
-
-    async def get_prefix(self, prefix: str) -> dict[str, Any]:
-        return {k: v for k, v in self.records.items() if k.startswith(prefix)}
+async def discovery(records: dict[str, Any]) -> MemoryDiscovery:
+    """The library's in-memory discovery, started, holding ``records`` on its lease."""
+    disc = MemoryDiscovery()
+    await disc.start()
+    for key, value in records.items():
+        await disc.put(key, value, lease=True)
+    return disc
 
 
 def test_deployment_names_are_those_dynamo_deploy_makes() -> None:
@@ -68,8 +67,8 @@ def test_deployment_names_are_those_dynamo_deploy_makes() -> None:
 async def test_scale_is_a_merge_patch_of_the_scale_subresource() -> None:
     server = FakeApiServer({"g1-mocker-worker": 1})
     api = api_for(server)
-    disc = FakeDiscovery({"/dynamo/instances/MockerWorker/a": {"pid": 7, "host": "pod-a"},
-                          "/dynamo/instances/MockerWorker/b": {"pid": 7, "host": "pod-b"}})
+    disc = await discovery({"/dynamo/instances/MockerWorker/a": {"pid": 7, "host": "pod-a"},
+                            "/dynamo/instances/MockerWorker/b": {"pid": 7, "host": "pod-b"}})
     conn = KubernetesConnector(api, "serving", "g1", disc, "dynamo")
     try:
         await conn.set_replicas("MockerWorker", 3)
@@ -81,14 +80,17 @@ async def test_scale_is_a_merge_patch_of_the_scale_subresource() -> None:
         assert req.headers["authorization"] == "Bearer t0k"
         assert await api.get_replicas("serving", "g1-mocker-worker") == 3
         assert await conn.serving("MockerWorker") == 2  # one process per pod
+        assert await disc.get_prefix("/dynamo/scale/") == {}  # the API server scales, not etcd
     finally:
         await api.close()
+        await disc.close()
 
 
 async def test_api_errors_are_infra_errors() -> None:
     server = FakeApiServer({})
     api = api_for(server)
-    conn = KubernetesConnector(api, "serving", "g1", FakeDiscovery({}), "dynamo")
+    disc = await discovery({})
+    conn = KubernetesConnector(api, "serving", "g1", disc, "dynamo")
     try:
         with pytest.raises(InfraError, match="HTTP 404"):
             await conn.set_replicas("MockerWorker", 2)
@@ -96,3 +98,4 @@ async def test_api_errors_are_infra_errors() -> None:
             await conn.set_replicas("MockerWorker", -1)
     finally:
         await api.close()
+        await disc.close()

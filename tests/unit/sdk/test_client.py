@@ -5,10 +5,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import pytest
 
-from dynagraph.errors import InstanceUnavailable, NoInstancesError
-from dynagraph.sdk import ComponentClient, EndpointClient
+from dynagraph.errors import InstanceUnavailable, InvalidResponse, NoInstancesError
+from dynagraph.sdk import ComponentClient, EndpointClient, at_random, direct, instance_ids
 from dynagraph.sdk._context import reset_request_id, set_request_id
 from tests.support.poll import collect
 
@@ -103,11 +104,38 @@ async def test_component_client_named_endpoints() -> None:
     cc = ComponentClient("W", eps)
     assert await collect(cc.generate(1)) == ["addr7", 1]
     assert await collect(cc.stats(2)) == ["addr7", 2]
-    assert await collect(cc.direct(3, 7, endpoint="stats")) == ["addr7", 3]
-    assert cc.instance_ids() == [7]
-    assert [c[1] for c in caller.calls] == ["generate", "stats", "stats"]
+    assert await collect(direct(cc.stats, 3, 7)) == ["addr7", 3]
+    assert await collect(at_random(cc.stats, 4)) == ["addr7", 4]
+    assert instance_ids(cc.generate) == [7]
+    assert [c[1] for c in caller.calls] == ["generate", "stats", "stats", "stats"]
     with pytest.raises(AttributeError, match="no endpoint 'nope'"):
         cc.nope(1)
+    with pytest.raises(TypeError, match="not an endpoint of a depends"):
+        instance_ids(lambda r: r)
+
+
+class Item(msgspec.Struct):
+    n: int
+
+
+class ItemCaller:
+    """Answers each call with the payload's ``items``, as they would come off the wire."""
+
+    async def call(self, address: str, endpoint: str, payload: Any, *,
+                   headers: dict[str, str] | None = None) -> AsyncIterator[Any]:
+        for item in payload["items"]:
+            yield item
+
+
+async def test_items_are_decoded_into_the_declared_type_once() -> None:
+    c = EndpointClient(ItemCaller(), Source(1), "W", "generate", response_type=Item)
+    kept = Item(3)
+    got = await collect(c.round_robin({"items": [{"n": 1}, {"n": 2}, kept]}))
+    assert got[:2] == [Item(1), Item(2)]
+    assert got[2] is kept  # already typed (a local callee's item): passed through
+    assert await collect(c.direct({"items": [{"n": 5}]}, 1)) == [Item(5)]
+    with pytest.raises(InvalidResponse, match="W.generate answered"):
+        await collect(c.round_robin({"items": [{"n": "five"}]}))
 
 
 class LateSource(Source):

@@ -50,6 +50,17 @@ class PartialBack:
         yield 0
 
 
+class Words(Numbers):
+    """Another request type."""
+
+
+@service(dynamo={"namespace": "test"}, stands_in_for=Back)
+class MistypedBack:
+    @endpoint()
+    async def generate(self, request: Words) -> AsyncIterator[int]:
+        yield 0
+
+
 def test_a_stand_in_takes_the_edges_to_the_class_it_replaces() -> None:
     g = Front.link(Middle).link(FakeBack)
     g.validate()
@@ -64,6 +75,9 @@ def test_stand_ins_must_be_unambiguous_and_complete() -> None:
     with pytest.raises(GraphError, match="PartialBack stands in for Back but lacks its "
                                          "endpoint\\(s\\) generate"):
         Front.link(Middle).link(PartialBack).validate()
+    with pytest.raises(GraphError, match="MistypedBack.generate takes Words and yields plain "
+                                         "values; Back's, which it stands in for, Numbers"):
+        Front.link(Middle).link(MistypedBack).validate()
 
 
 def test_instances_key_must_name_a_config_key() -> None:

@@ -13,9 +13,9 @@ from tools import entry_points as ep
 def test_pyproject_declares_the_vllm_plugins() -> None:
     assert ep.declared()["vllm.general_plugins"] == {
         "dynagraph_afd": "dynagraph.llm.afd.plugin:register",
-        "dynagraph_amx": "dynagraph.llm.engines.cpu_amx:register",
-        "dynagraph_engine_cores": "dynagraph.llm.engines.engine_cores:register",
-        "dynagraph_engine_spin": "dynagraph.llm.engines.engine_spin:register"}
+        "dynagraph_amx": "dynagraph.llm.engines.vllm.cpu_amx:register",
+        "dynagraph_engine_cores": "dynagraph.llm.engines.vllm.engine_cores:register",
+        "dynagraph_engine_spin": "dynagraph.llm.engines.vllm.engine_spin:register"}
 
 
 def test_shim_declares_what_is_missing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

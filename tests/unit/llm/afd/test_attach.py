@@ -23,7 +23,7 @@ from dynagraph.llm.afd.settings import (
     read_engine_config,
     write_failure,
 )
-from dynagraph.llm.engines.vllm_engine import VllmEngineArgs
+from dynagraph.llm.engines.vllm.args import VllmEngineArgs
 from tests.support.poll import until
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
-from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -54,7 +53,7 @@ class LocalPipeline(OneModelBackend):
             async for chunk in chunks:
                 yield TextChunk.from_wire(chunk.to_wire())
 
-    async def _engine(self, pre: PreprocessedRequest) -> AsyncIterator[dict[str, Any]]:
+    async def _engine(self, pre: PreprocessedRequest) -> AsyncIterator[LLMEngineOutput]:
         ids = self.tok.encode(REPLY, add_special_tokens=False) + [pre.eos_token_ids[0]]
         try:
             for n, token_id in enumerate(ids, start=1):
@@ -67,7 +66,7 @@ class LocalPipeline(OneModelBackend):
                     finish_reason=finish,
                     prompt_tokens=len(pre.token_ids) if n == 1 else None,
                 )
-                yield out.to_wire()
+                yield out
                 if finish:
                     return
         finally:

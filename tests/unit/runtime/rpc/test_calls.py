@@ -63,11 +63,29 @@ async def test_closing_at_the_last_item_keeps_the_connection_pooled(
 
 
 async def test_closing_mid_stream_still_cancels(server: RpcServer, client: RpcClient) -> None:
-    stream = client.call(server.address, "count", {"n": 10**9})
+    produced: list[int] = []
+    cancelled = asyncio.Event()
+
+    async def counting(payload: Any, ctx: RequestContext) -> AsyncIterator[int]:
+        try:
+            for i in range(payload["n"]):
+                produced.append(i)
+                yield i
+                await asyncio.sleep(0.001)  # endless for this test: it must be cancelled
+        except (asyncio.CancelledError, GeneratorExit):
+            cancelled.set()
+            raise
+
+    server.add_endpoint("counting", counting)
+    stream = client.call(server.address, "counting", {"n": 10**9})
     assert await anext(stream) == 0
     t0 = time.monotonic()
     await stream.aclose()
     assert time.monotonic() - t0 < 0.5
+    await asyncio.wait_for(cancelled.wait(), 1.0)  # the cancel reached the handler
+    stopped_at = len(produced)
+    await asyncio.sleep(0.05)
+    assert len(produced) == stopped_at  # and it produces nothing more
     assert await collect(client.call(server.address, "count", {"n": 3})) == [0, 1, 2]
 
 

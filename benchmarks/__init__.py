@@ -1,0 +1,1 @@
+"""Benchmarks and measurement scripts (run from the repository root; see README.md)."""
