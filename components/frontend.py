@@ -13,19 +13,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Generator
+from collections.abc import AsyncGenerator, AsyncIterator, Generator
 from typing import Any
 
 import uvicorn
 from pydantic import Field
 
 from components.processor import Processor
-from dynagraph.errors import ConfigError, DynagraphError
+from dynagraph.errors import ConfigError, DynagraphError, InstanceUnavailable, NoInstancesError
 from dynagraph.llm.http import create_app
 from dynagraph.llm.http.admission import Admission
-from dynagraph.llm.http.app import ModelInfo
+from dynagraph.llm.http.backend import ModelInfo
 from dynagraph.llm.http.limits import RequestLimits
+from dynagraph.llm.http.metrics import FrontendMetrics
 from dynagraph.llm.http.tenancy import TenantGate
+from dynagraph.llm.migration import Attempt
 from dynagraph.llm.models import ModelDirectory
 from dynagraph.llm.protocol import (
     OpenAIRequest,
@@ -34,18 +36,24 @@ from dynagraph.llm.protocol import (
     TokenizeEnvelope,
     TokenizeKind,
 )
+from dynagraph.llm.resume import resuming
 from dynagraph.llm.tenants import SECRET_ENV, Authenticator, Signer, TenantToken
 from dynagraph.llm.tenants.slo import SloClass, default_slo_classes
 from dynagraph.runtime.addresses import advertised
 from dynagraph.runtime.discovery import InstanceWatch
+from dynagraph.runtime.round_robin import RoundRobin
 from dynagraph.sdk import (
     Component,
     async_on_shutdown,
     async_on_start,
-    call,
     depends,
+    direct,
+    failover,
     instance_ids,
+    instances,
+    nearest,
     service,
+    wait_for_instances,
 )
 
 log = logging.getLogger(__name__)
@@ -80,6 +88,9 @@ class FrontendConfig(RequestLimits):
     (aiohttp 15 s, browsers ~60 s), so a client never sends a request on a connection the
     server is closing that instant (uvicorn's 5 s default lost one request of a replayed
     trace that paused for ~5 s: "Can not write request body")."""
+    migration_limit: int = Field(default=3, ge=0)
+    """How many times one request may move to another Processor after its Processor failed
+    mid-stream (``dynagraph.llm.resume``); 0 turns it off."""
     worker_wait: float = Field(default=10.0, ge=0.0)
     """Seconds a request waits while no model worker is registered, then 503."""
     tenants_file: str | None = None
@@ -106,6 +117,8 @@ class Frontend(Component):
         self._task: asyncio.Task[None] | None = None
         self._workers: InstanceWatch | None = None
         self._models = ModelDirectory(config.served_model_name)
+        self._rr = RoundRobin()
+        self._metrics: FrontendMetrics | None = None
 
     def ready(self) -> bool:
         workers = self._workers.instances() if self._workers is not None else []
@@ -128,10 +141,46 @@ class Frontend(Component):
     async def generate(self, request: OpenAIRequest, request_id: str,
                        tenant: TenantToken | None = None) -> AsyncIterator[TextChunk]:
         envelope = OpenAIRequestEnvelope.wrap(request, request_id, tenant)
-        stream = call(self.processor.generate, envelope, headers={"x-request-id": request_id})
+        stream = resuming(envelope, self._on_processor, limit=self.config.migration_limit,
+                          on_migrate=self._migrated)
         async with contextlib.aclosing(stream):
             async for chunk in stream:
                 yield chunk
+
+    def _on_processor(self, envelope: OpenAIRequestEnvelope, attempt: Attempt
+                      ) -> AsyncGenerator[TextChunk, None]:
+        """``envelope``'s stream from a Processor ``attempt`` allows (one in this process
+        first, else the next in turn), or from the others if it fails before its first
+        chunk. The one in use is ``attempt.worker``."""
+        endpoint = self.processor.generate
+        order = iter(attempt.allowed(self._rr.order(
+            [i.instance_id for i in nearest(instances(endpoint))])))
+
+        async def next_processor(failed: list[int]) -> int | None:
+            if not failed and not instances(endpoint):
+                await wait_for_instances(endpoint)  # right after start-up
+                nonlocal order
+                order = iter(attempt.allowed(self._rr.order(
+                    [i.instance_id for i in nearest(instances(endpoint))])))
+            attempt.worker = next(order, None)
+            return attempt.worker
+
+        def retrying(p: int, exc: Exception) -> None:
+            attempt.failed(p)
+            log.warning("Processor %x could not take request %s (%s); trying another", p,
+                        envelope.request_id, exc)
+
+        def exhausted(last: Exception | None) -> Exception:
+            return last or NoInstancesError("no live Processor to send the request to")
+
+        headers = {"x-request-id": envelope.request_id}
+        return failover(next_processor, lambda p: direct(endpoint, envelope, p, headers=headers),
+                        retry_on=(InstanceUnavailable, NoInstancesError), exhausted=exhausted,
+                        on_retry=retrying)
+
+    def _migrated(self, processor: int | None, failure: Exception) -> None:
+        if self._metrics is not None:
+            self._metrics.migrated(processor, failure)
 
     @async_on_start
     async def start(self) -> None:
@@ -144,6 +193,7 @@ class Frontend(Component):
                              cfg_.model_dump(include=set(RequestLimits.model_fields))),
                          admission=self._admission(),
                          worker_wait_s=cfg_.worker_wait, tenants=self._tenant_gate())
+        self._metrics = app.state.metrics
         cfg = uvicorn.Config(app, host=self.config.host, port=self.config.port,
                              log_level="warning", access_log=False, lifespan="off",
                              timeout_keep_alive=self.config.keep_alive_timeout)

@@ -68,7 +68,7 @@ from dynagraph.llm.api.tools import TOOL_PARSERS
 from dynagraph.llm.coalesce import merge_outputs
 from dynagraph.llm.detokenize import detokenize_stream
 from dynagraph.llm.http.limits import prompt_text_bytes
-from dynagraph.llm.migration import Attempt, migrating
+from dynagraph.llm.migration import Attempt, continuation, migrating
 from dynagraph.llm.model_tokenizers import ModelContext, PreprocessorCache
 from dynagraph.llm.models import ModelDirectory, ServedModel
 from dynagraph.llm.postprocess import ResponseAssembler, assemble_stream
@@ -184,12 +184,19 @@ class Processor(Component):
             if plan.plain:
                 pre = plan.prompts[0].request
                 detok = timer.timed(ctx.preprocessor.detokenizer(pre))
+                if request.resume is not None:  # another Processor began it
+                    detok.resume(request.resume)
+                    pre = continuation(pre, request.resume.token_ids, "resumed")
                 timer.dispatched()
-                stream = self._dispatch(pre, candidates, tenant)
+                stream = self._dispatch(pre, candidates, tenant,
+                                        resumed=request.resume is not None)
                 async with contextlib.aclosing(detokenize_stream(detok, stream)) as chunks:
                     async for chunk in chunks:
                         yield chunk
                 return
+            if request.resume is not None:
+                raise InvalidRequest("only a plain request (one choice; no logprobs, tools or "
+                                     "echo) can resume on another Processor", param="resume")
             assembler = timer.timed(ResponseAssembler(ctx.preprocessor.tokenizer, ctx.texts,
                                                       plan))
             timer.dispatched()
@@ -240,12 +247,15 @@ class Processor(Component):
         return served.instance_ids if served is not None else ()
 
     def _dispatch(self, pre: PreprocessedRequest, candidates: Callable[[], tuple[int, ...]],
-                  tenant: TenantToken | None = None) -> AsyncGenerator[LLMEngineOutput, None]:
+                  tenant: TenantToken | None = None, *, resumed: bool = False
+                  ) -> AsyncGenerator[LLMEngineOutput, None]:
         """The worker stream for ``pre`` on ``candidates()`` (the live workers of its model,
-        asked per attempt), continued on another of them if its worker fails mid-stream."""
+        asked per attempt), continued on another of them if its worker fails mid-stream.
+        ``resumed``: ``pre`` continues output the client already has (no admission, no
+        prompt counts from the worker)."""
         if tenant is not None:
             pre = msgspec.structs.replace(pre, tenant=tenant)
-        first = True
+        first = not resumed
 
         def attempt(req: PreprocessedRequest, at: Attempt) -> AsyncGenerator[LLMEngineOutput, None]:
             nonlocal first
@@ -255,7 +265,7 @@ class Processor(Component):
             return self._first_reachable(req, None, candidates(), at)
 
         return migrating(pre, attempt, limit=self.config.migration_limit,
-                         on_migrate=self.metrics.migrated)
+                         on_migrate=self.metrics.migrated, continued=resumed)
 
     async def _routed(self, pre: PreprocessedRequest, candidates: tuple[int, ...],
                       attempt: Attempt, *, admission: bool = False

@@ -431,10 +431,43 @@ def build_atomically(out: Path, build: Callable[[Path], T]) -> T:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+CACHE_ENV = "DYNAGRAPH_MODEL_CACHE"
+"""Where finished builds are kept for other checkouts of this machine (default
+``~/.cache/dynagraph/models``; ``off``: no cache)."""
+
+
+def cache_entry(spec: BuildSpec) -> Path | None:
+    """The machine-wide cache entry of a build of ``spec`` by this builder (None: off).
+
+    Keyed by everything that determines the model: the build format, the spec, this
+    file's source and the versions of the libraries that build it."""
+    root = os.environ.get(CACHE_ENV, "")
+    if root == "off":
+        return None
+    from importlib.metadata import version
+
+    base = Path(root) if root else Path.home() / ".cache" / "dynagraph" / "models"
+    key = hashlib.sha256(json.dumps({
+        "format": BUILD_FORMAT, "spec": asdict(spec),
+        "builder": hashlib.sha256(Path(__file__).read_bytes()).hexdigest(),
+        "versions": [version(name) for name in ("torch", "transformers", "tokenizers")],
+    }, sort_keys=True).encode()).hexdigest()[:24]
+    return base / f"tiny-llama-{key}"
+
+
+def _copy_into(src: Path) -> Callable[[Path], None]:
+    def copy(tmp: Path) -> None:
+        shutil.copytree(src, tmp, dirs_exist_ok=True)
+
+    return copy
+
+
 def ensure_model(
     out: Path | str = DEFAULT_OUT, spec: BuildSpec | None = None, *, force: bool = False
 ) -> Path:
-    """Build the model into ``out`` unless a complete build is already there.
+    """Build the model into ``out`` unless a complete build is already there; a build of
+    the same spec by the same builder on this machine (``cache_entry``) is copied instead
+    of trained again, and a new build is kept there.
 
     Safe to call from several processes at once; returns the absolute path.
     """
@@ -444,6 +477,11 @@ def ensure_model(
     with locked(out):
         if is_complete(out) and not force:
             log.debug("model already built at %s", out)
+            return out
+        cached = cache_entry(spec)
+        if cached is not None and is_complete(cached) and not force:
+            build_atomically(out, _copy_into(cached))
+            log.info("model copied from this machine's cache %s", cached)
             return out
         start = time.monotonic()
         log.info("building %s (corpus, tokenizer, about %s of training, save)", out,
@@ -456,7 +494,20 @@ def ensure_model(
             info["steps_done"],
             f", loss {info['final_loss']:.2f}" if info["final_loss"] is not None else "",
         )
+        if cached is not None:
+            _keep(out, cached)
         return out
+
+
+def _keep(out: Path, entry: Path) -> None:
+    """Copy the build at ``out`` to the cache ``entry`` (atomically; best effort)."""
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        with locked(entry):
+            if not is_complete(entry):
+                build_atomically(entry, _copy_into(out))
+    except OSError as exc:
+        log.warning("could not keep the model in %s: %s", entry, exc)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

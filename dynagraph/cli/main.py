@@ -137,7 +137,8 @@ def serve_command(args: argparse.Namespace, overrides: list[str]) -> int:
     if serve_part.is_partial(graph, args.service_name) and missing:
         print(f"dynamo serve: {serve_part.shared_infra_message(missing)}", file=sys.stderr)
         return 2
-    from dynagraph.cli.serve import ServeOptions, Supervisor
+    from dynagraph.cli.serve import Supervisor
+    from dynagraph.cli.serve_options import ServeOptions
 
     opts = ServeOptions(ready_timeout=args.ready_timeout, stop_timeout=args.stop_timeout,
                         restart=args.restart, max_restarts=args.max_restarts,

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from tokenizers.decoders import DecodeStream
 
 from dynagraph.errors import EngineError
-from dynagraph.llm.protocol import LLMEngineOutput, PreprocessedRequest, TextChunk
+from dynagraph.llm.protocol import LLMEngineOutput, PreprocessedRequest, Resume, TextChunk
 
 if TYPE_CHECKING:
     import tokenizers
@@ -160,7 +160,9 @@ class ResponseDetokenizer:
     """Per-request post-processing: engine token deltas in, OpenAI text chunks out.
 
     Called by the Processor for each :class:`LLMEngineOutput` of one request, in order.
-    Pure and synchronous; raises :class:`EngineError` for an engine-side failure.
+    Pure and synchronous; raises :class:`EngineError` for an engine-side failure. Each
+    chunk carries the token ids it completes (``TextChunk.token_ids``: every id consumed
+    since the previous chunk), so :meth:`resume` can rebuild this state elsewhere.
     """
 
     def __init__(self, tokenizer: Tokenizer, request: PreprocessedRequest, *,
@@ -178,10 +180,23 @@ class ResponseDetokenizer:
         self.cached_tokens: int | None = None
         self.completion_tokens = 0
         self.finish_reason: OpenAIFinishReason | None = None
+        self._pending: list[int] = []  # consumed since the last chunk
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def resume(self, resume: Resume) -> None:
+        """Continue a request whose client already has the text of ``resume.token_ids``
+        (another Processor sent it): the state becomes what it was when that text was
+        sent (the decoder's, the stop strings' held-back text, the counts), and nothing
+        is emitted for those ids. ``EngineError`` if they already finish the request."""
+        self.process(LLMEngineOutput(token_ids=list(resume.token_ids),
+                                     prompt_tokens=resume.prompt_tokens,
+                                     cached_tokens=resume.cached_tokens))
+        if self.finished:
+            raise EngineError("the request had already finished: nothing to resume")
+        self._pending = []
 
     def process(self, output: LLMEngineOutput) -> TextChunk | None:
         """Consume one engine output; return the chunk to send, or None if nothing is new.
@@ -203,8 +218,10 @@ class ResponseDetokenizer:
         last_text_index = len(ids) - 1 if output.finish_reason == "stop" else len(ids)
         parts: list[str] = []
         finish: OpenAIFinishReason | None = None
+        consumed = 0
         for index, token_id in enumerate(ids):
             self.completion_tokens += 1
+            consumed += 1
             if index == last_text_index:
                 break
             piece = self._detok.step(token_id)
@@ -228,16 +245,19 @@ class ResponseDetokenizer:
             if finish is not None and self._stops is not None:
                 parts.append(self._stops.flush())
 
+        self._pending.extend(ids[:consumed])
         text = "".join(parts)
         if not text and finish is None:
             return None
         self.finish_reason = finish
+        token_ids, self._pending = self._pending, []
         return TextChunk(
             text=text,
             finish_reason=finish,
             prompt_tokens=self.prompt_tokens,
             completion_tokens=self.completion_tokens,
             cached_tokens=self.cached_tokens,
+            token_ids=token_ids,
         )
 
 

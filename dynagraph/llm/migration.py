@@ -94,18 +94,21 @@ class _Choice:
 
 async def migrating(request: PreprocessedRequest, dispatch: Dispatch, *, limit: int,
                     on_migrate: Callable[[int | None, Exception], None] | None = None,
-                    earlier: Attempt | None = None) -> AsyncGenerator[LLMEngineOutput, None]:
+                    earlier: Attempt | None = None,
+                    continued: bool = False) -> AsyncGenerator[LLMEngineOutput, None]:
     """``dispatch(request)``'s outputs, continued on other workers after worker failures.
 
     A constrained request (structured outputs, forced tool calls) that already has output
     is not continued: its grammar would restart on the continuation's prompt.
+    ``continued``: ``request`` is itself a continuation (its prompt holds output the
+    client already has), so no output's prompt and cached counts stand.
     """
     n = _num_choices(request)
     choices = [_Choice() for _ in range(n)]
     attempt = earlier.after() if earlier is not None else Attempt()
     migrations = requeues = 0
     current = request
-    first = True
+    first = not continued
     while True:
         stream = dispatch(current, attempt)
         requeued = False

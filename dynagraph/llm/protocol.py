@@ -59,6 +59,7 @@ __all__ = [
     "ContentPart", "DetokenizeRequest", "DetokenizeResponse", "EngineFinishReason",
     "Endpoint", "ErrorInfo", "Release", "Released", "Subscribe", "ErrorResponse", "LLMEngineOutput", "ModelCard", "ModelList",
     "OpenAIRequest", "OpenAIRequestEnvelope", "PreprocessedRequest", "PromptTokensDetails",
+    "Resume",
     "SamplingParams", "StreamOptions", "StructuredOutputsSpec", "TextChunk",
     "TokenizeEnvelope", "TokenizeKind", "TokenizeRequest", "TokenizeResponse", "Usage",
 ]  # fmt: skip
@@ -83,6 +84,16 @@ class _Wire(msgspec.Struct, kw_only=True):
         return msgspec.convert(data, cls)
 
 
+class Resume(_Wire):
+    """What a client already has of a request whose Processor failed mid-stream: the
+    new Processor continues after it (Frontend-level migration, ``dynagraph.llm.resume``)."""
+
+    token_ids: list[int]
+    """The completion token ids behind the text already sent (``TextChunk.token_ids``)."""
+    prompt_tokens: int
+    cached_tokens: int | None = None
+
+
 class OpenAIRequestEnvelope(_Wire):
     """Frontend -> Processor: a validated OpenAI request plus the request id."""
 
@@ -91,6 +102,8 @@ class OpenAIRequestEnvelope(_Wire):
     body: dict[str, Any]
     tenant: TenantToken | None = None
     """The caller (signed by the Frontend; None when the service has no tenants)."""
+    resume: Resume | None = None
+    """Set when the request continues a stream another Processor began."""
 
     @classmethod
     def wrap(cls, request: OpenAIRequest, request_id: str,
@@ -251,3 +264,7 @@ class TextChunk(_Wire, omit_defaults=True):
     logprobs: dict[str, Any] | None = None
     tool_calls: list[dict[str, Any]] | None = None
     prompt_logprobs: list[dict[str, Any] | None] | None = None
+    token_ids: list[int] | None = None
+    """The completion token ids this chunk's text completes (every id consumed since the
+    previous chunk); set on plain requests only, so the Frontend can resume the request
+    on another Processor (``Resume``). Never sent to the client."""

@@ -104,6 +104,9 @@ CATALOG: tuple[MetricSpec, ...] = (
        "Time to apply the chat template and tokenize one request", (), PROCESSOR),
     _m("dynamo_processor_detokenize_seconds", "histogram",
        "Time spent detokenizing one request's output, summed over its chunks", (), PROCESSOR),
+    _m("dynamo_frontend_migrations_total", "counter",
+       "Requests moved to another Processor after theirs failed mid-stream (reason: the "
+       "failure's type)", ("reason",), FRONTEND),
     _m("dynamo_processor_migrations_total", "counter",
        "Requests moved to another worker after theirs failed (reason: the failure's type)",
        ("reason",), PROCESSOR),

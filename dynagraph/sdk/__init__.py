@@ -17,6 +17,8 @@ from dynagraph.sdk._client import (
     failover,
     instance_ids,
     instances,
+    nearest,
+    wait_for_instances,
 )
 from dynagraph.sdk._config import ComponentConfig, ServiceArgs, resolve_config
 from dynagraph.sdk._context import RuntimeContext, current_request_id
@@ -50,6 +52,7 @@ __all__ = [
     "endpoint_client",
     "instance_ids",
     "instances",
+    "nearest",
     "current_request_id",
     "depends",
     "endpoint",
@@ -58,4 +61,5 @@ __all__ = [
     "resolve_target",
     "service",
     "spec_of",
+    "wait_for_instances",
 ]

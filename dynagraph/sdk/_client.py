@@ -269,6 +269,12 @@ def instances(ep: Callable[..., Any]) -> list[Any]:
     return endpoint_client(ep).instances()
 
 
+async def wait_for_instances(ep: Callable[..., Any]) -> None:
+    """Wait (the client's ``wait_timeout`` at most) until ``ep`` has a live instance: right
+    after start-up the instance watch may lag discovery by a few ms."""
+    await endpoint_client(ep)._await_any()
+
+
 def _invalid_response(message: str, field: str | None) -> Exception:
     return InvalidResponse(message)
 

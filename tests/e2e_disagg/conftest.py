@@ -106,11 +106,24 @@ def infra() -> Iterator[tuple[LocalService, LocalService]]:
         yield services
 
 
+_AGG_REFERENCE: dict[str, Greedy] = {}
+"""The agg graph's answers, computed once per test session: the disagg packages that
+import ``agg_reference`` (nixl, shm, tier, wire) all check against the same prompts."""
+
+
 @pytest.fixture(scope="package")
 def agg_reference(model_dir: Path, infra: tuple[LocalService, LocalService]
                   ) -> dict[str, Greedy]:
     """Greedy output of the agg graph for every prompt (the graph is stopped afterwards),
-    with each token's lead over the runner-up (``tests.support.greedy``)."""
+    with each token's lead over the runner-up (``tests.support.greedy``); served by the
+    first package that asks, then kept."""
+    if not _AGG_REFERENCE:
+        _AGG_REFERENCE.update(_serve_agg_reference(model_dir, infra))
+    return _AGG_REFERENCE
+
+
+def _serve_agg_reference(model_dir: Path, infra: tuple[LocalService, LocalService]
+                         ) -> dict[str, Greedy]:
     etcd, nats = infra
     with served(["graphs.agg:Frontend", "-f", "configs/agg.yaml", "--Frontend.port=0",
                  f"--Common.model={model_dir}", '--VllmWorker.cpu-threads-bind="0"',

@@ -38,6 +38,12 @@ class GraphProbe:
         return {int(k.rsplit("/", 1)[1], 16): v for k, v in recs.items()
                 if pid_alive(int(v["pid"]))}
 
+    async def processes(self, component: str) -> dict[int, dict[str, Any]]:
+        """Live processes of ``component``: instance id -> process record (pid, ...)."""
+        recs = await self.discovery.get_prefix(f"/{NS}/instances/{component}/")
+        return {int(k.rsplit("/", 1)[1], 16): v for k, v in recs.items()
+                if pid_alive(int(v["pid"]))}
+
     async def wait_workers(self, count: int, within: float = 300) -> dict[int, dict[str, Any]]:
         deadline = time.monotonic() + within
         while True:

@@ -1,4 +1,5 @@
-"""One agg_router graph (two vLLM workers, KV events, Router) shared by these tests.
+"""One agg_router graph (two vLLM workers, KV events, Router, two Processors) shared by
+these tests.
 
 Their async code runs in an event loop of this package (``loop_scope="package"``), not
 the session's: at the end of a long session, the session loop stopped seeing some of its
@@ -51,7 +52,7 @@ def router_graph(model_dir: Path, etcd_url: str, nats_url: str,
                  f"--VllmWorker.kv-offload-dir={shared_tier}",
                  f"--VllmWorker.kv-offload-dir-gib={TIER_LIMIT_GIB}",
                  "--Frontend.max-inflight-requests=48", "--Frontend.max-queued-requests=48",
-                 "--Frontend.queue-timeout=5"],
+                 "--Frontend.queue-timeout=5", "--Processor.ServiceArgs.workers=2"],
                 graph_env(etcd_url, nats_url), clean_exit=False) as sp:
         yield sp
 

@@ -1,4 +1,5 @@
-"""A decode worker frozen or killed mid-stream: every stream goes on, on the other worker.
+"""A decode worker frozen or killed mid-stream: every stream goes on, on the other worker;
+a Processor killed mid-stream: every stream goes on through the other Processor.
 
 Runs before test_worker_loss (file order); the killed worker is restarted by dynamo
 serve and back before that test needs two workers again.
@@ -86,6 +87,16 @@ async def run_streams(client: openai.AsyncOpenAI, started: threading.Event | Non
     return list(await asyncio.gather(*(one(p) for p in PROMPTS)))
 
 
+def assert_complete(results: list[dict[str, Any]], reference: list[dict[str, Any]]) -> None:
+    """Every stream finished in full, without an error, with the uninterrupted run's text
+    up to a near tie (what moved elsewhere mid-way is recomputed there)."""
+    for i, (got, want) in enumerate(zip(results, reference, strict=True)):
+        assert got["error"] is None, f"stream {i}: {got['error']}"
+        assert got["finish"] == ["length"], f"stream {i}: {got['finish']}"
+        assert got["usage"] == MAX_TOKENS, f"stream {i}: usage {got['usage']}"
+        assert_agrees(want["greedy"], got["text"], f"stream {i} vs the uninterrupted run")
+
+
 async def busiest_worker(probe: GraphProbe) -> tuple[int, int]:
     """(instance id, pid) of the worker running the most requests now."""
     best: tuple[float, int, int] = (-1.0, 0, 0)
@@ -129,10 +140,42 @@ async def test_sigkill_during_streams_loses_nothing(router_url: str, probe: Grap
     os.kill(pid, signal.SIGKILL)
     killed_at = time.monotonic()
     results = await asyncio.wait_for(streams, 120)
-    for i, (got, want) in enumerate(zip(results, reference, strict=True)):
-        assert got["error"] is None, f"stream {i}: {got['error']}"
-        assert got["finish"] == ["length"], f"stream {i}: {got['finish']}"
-        assert got["usage"] == MAX_TOKENS, f"stream {i}: usage {got['usage']}"
-        # recomputed on the other worker: the same text up to a near tie
-        assert_agrees(want["greedy"], got["text"], f"stream {i} vs the uninterrupted run")
+    assert_complete(results, reference)  # recomputed on the other worker
     assert time.monotonic() - killed_at < 60
+
+
+def complete_now(url: str, n: int) -> list[int]:
+    """The status codes of ``n`` short completions sent at once (in threads)."""
+    import concurrent.futures
+
+    import httpx
+
+    def one(i: int) -> int:
+        return httpx.post(f"{url}/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": f"Request {i} during the kill:", "max_tokens": 8,
+            "temperature": 0}).status_code
+
+    with concurrent.futures.ThreadPoolExecutor(n) as pool:
+        return list(pool.map(one, range(n)))
+
+
+async def test_a_killed_processor_s_streams_go_on_through_the_other(
+        router_url: str, probe: GraphProbe) -> None:
+    """SIGKILL one of the two Processors once every stream has output: the Frontend sends
+    each of its streams on through the other Processor (the prompt plus the tokens the
+    client already has), so all 8 finish in full; requests sent during the kill succeed."""
+    await probe.wait_workers(2)
+    processors = await probe.processes("Processor")
+    assert len(processors) == 2, processors
+    reference = await streams_on_own_loop(router_url, logprobs=TOP_LOGPROBS)
+    assert all(r["error"] is None and r["usage"] == MAX_TOKENS for r in reference), reference
+
+    started = threading.Event()
+    streams = streams_on_own_loop(router_url, started)
+    assert await asyncio.to_thread(started.wait, 60), "not every stream had output"
+    victim = int(next(iter(processors.values()))["pid"])
+    os.kill(victim, signal.SIGKILL)
+    during = await asyncio.to_thread(complete_now, router_url, 4)
+    results = await asyncio.wait_for(streams, 120)
+    assert_complete(results, reference)
+    assert during == [200] * 4, during

@@ -46,6 +46,9 @@ def _imported_modules(root: str) -> dict[str, set[str]]:
 @pytest.mark.parametrize(("root", "forbidden"), [
     ("dynagraph/observability", "dynagraph.llm"),  # component metric groups live in llm/
     ("tools", "benchmarks"),  # profiling scripts live in benchmarks/profiling
+    ("dynagraph/cli", "dynagraph.llm"),  # the supervisor's CPU, niceness, secret: runtime/
+    ("dynagraph/runtime", "dynagraph.llm"),
+    ("dynagraph/sdk", "dynagraph.llm"),
 ])
 def test_imports_point_one_way(root: str, forbidden: str) -> None:
     bad = {f: sorted(m for m in mods if m == forbidden or m.startswith(forbidden + "."))

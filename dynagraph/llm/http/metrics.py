@@ -33,6 +33,11 @@ class FrontendMetrics:
                                        registry).labels(model)
         self.disconnects = counter("dynamo_frontend_client_disconnects_total",
                                    registry).labels(model)
+        self.migrations = counter("dynamo_frontend_migrations_total", registry)
+
+    def migrated(self, processor: int | None, failure: Exception) -> None:
+        """A request moved on from a failed Processor (``resuming``'s ``on_migrate``)."""
+        self.migrations.labels(type(failure).__name__).inc()
 
     def count_request(self, endpoint: str, request_type: str, status: str) -> None:
         """Count a finished request. ``endpoint`` is ``"chat"`` or ``"completion"``."""

@@ -8,7 +8,6 @@ caches (per-tenant cache salt) and per-tenant quotas.
 
 from dynagraph.llm.tenants.identity import (
     OPEN_TENANT,
-    SECRET_ENV,
     ForgedTenant,
     Signer,
     TenantToken,
@@ -17,6 +16,7 @@ from dynagraph.llm.tenants.identity import (
 )
 from dynagraph.llm.tenants.quotas import QuotaExceeded, Quotas
 from dynagraph.llm.tenants.registry import Authenticator, TenantEntry, load_tenants
+from dynagraph.runtime.secret import SECRET_ENV
 
 __all__ = ["OPEN_TENANT", "SECRET_ENV", "Authenticator", "ForgedTenant", "QuotaExceeded", "Quotas", "Signer",
            "TenantEntry", "TenantToken", "cache_salt_of", "load_tenants", "verified"]

@@ -19,14 +19,12 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-import secrets
 from collections.abc import Mapping
 
 import msgspec
 
 from dynagraph.errors import InvalidRequest
-
-SECRET_ENV = "DYNAGRAPH_GRAPH_SECRET"
+from dynagraph.runtime.secret import SECRET_ENV
 
 
 class ForgedTenant(InvalidRequest):
@@ -51,10 +49,6 @@ class TenantToken(msgspec.Struct, frozen=True, kw_only=True):
 
 OPEN_TENANT = "-"
 """The tenant of an open service (no tenants file): everyone, one shared unsalted cache."""
-
-
-def new_secret() -> str:
-    return secrets.token_hex(32)
 
 
 class Signer:

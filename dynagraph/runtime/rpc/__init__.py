@@ -24,11 +24,12 @@ handler; a slow caller holds the handler at its ``yield`` (bounded buffers).
 
 from __future__ import annotations
 
-from ._client import NOT_READY, RpcClient, RpcStream
+from ._client import RpcClient
 from ._context import REQUEST_ID_HEADER, Handler, RequestContext
 from ._framing import ProtocolError
 from ._local import LocalStream, has_local_servers, local_server, wire_copy
 from ._server import RpcServer, UnknownEndpoint
+from ._stream import NOT_READY, RpcStream
 
 __all__ = [
     "NOT_READY",

@@ -11,12 +11,12 @@ load so ``dynamo status`` has numbers to show. No engine: the graph is up in sec
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncGenerator
 
 from components.kv_router import Router as KvRouter
 from dynagraph.llm.engines.base import EngineLoad
 from dynagraph.llm.engines.metrics import register_engine_load
+from dynagraph.llm.protocol import Subscribe
 from dynagraph.llm.router.events import RelayBatch
 from dynagraph.sdk import async_on_start, depends, endpoint, service
 
@@ -31,14 +31,14 @@ class Worker:
                              registry=self.runtime.registry)
 
     @endpoint()
-    async def kv_events(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        yield RelayBatch(seq=0, snapshot=True).to_wire()  # caches nothing
+    async def kv_events(self, request: Subscribe) -> AsyncGenerator[RelayBatch, None]:
+        yield RelayBatch(seq=0, snapshot=True)  # caches nothing
         await asyncio.sleep(3600)
 
     @endpoint()
-    async def load_metrics(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async def load_metrics(self, request: Subscribe) -> AsyncGenerator[EngineLoad, None]:
         while True:
-            yield LOAD.model_dump()
+            yield LOAD
             await asyncio.sleep(0.5)
 
 

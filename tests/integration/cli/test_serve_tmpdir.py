@@ -26,7 +26,7 @@ def test_components_get_a_private_tmpdir_removed_at_exit(
 
 
 def test_a_tmpdir_too_deep_for_unix_sockets_is_replaced_by_one_in_tmp(tmp_path: Path) -> None:
-    from dynagraph.cli.serve import IPC_NAME_LEN, IPC_PATH_MAX, children_tmpdir
+    from dynagraph.cli.serve_children import IPC_NAME_LEN, IPC_PATH_MAX, children_tmpdir
 
     short = children_tmpdir(tempfile.gettempdir())
     deep = tmp_path / ("d" * 80)

@@ -13,7 +13,13 @@ from dynagraph.llm.detokenize import (
     detokenize_stream,
     to_openai_finish_reason,
 )
-from dynagraph.llm.protocol import LLMEngineOutput, PreprocessedRequest, SamplingParams, TextChunk
+from dynagraph.llm.protocol import (
+    LLMEngineOutput,
+    PreprocessedRequest,
+    Resume,
+    SamplingParams,
+    TextChunk,
+)
 from dynagraph.llm.tokenizer import Tokenizer
 
 MULTIBYTE = "Café crème 日本 🙂🚀👍🏽 déjà vu 日本語"
@@ -287,3 +293,39 @@ async def test_detokenize_stream_closes_engine_before_the_final_chunk(tok: Token
             break
     else:
         raise AssertionError("no final chunk")
+
+
+# --- resuming on another Processor --------------------------------------------
+
+
+@pytest.mark.parametrize("stop", [[], ["vu 日"], ["🚀👍"]])
+@pytest.mark.parametrize("cut", [1, 3, 7, 12])
+def test_a_resumed_detokenizer_continues_the_text_exactly(tok: Tokenizer, stop: list[str],
+                                                         cut: int) -> None:
+    """Chunks carry the ids they complete; a detokenizer resumed from the ids of the chunks
+    a client got goes on with exactly the text and counts of the uninterrupted one (split
+    characters and held-back stop-string prefixes included)."""
+    ids = ids_of(tok, MULTIBYTE)
+    outs = [LLMEngineOutput(token_ids=[i], prompt_tokens=11 if n == 0 else None,
+                            cached_tokens=4 if n == 0 else None) for n, i in enumerate(ids)]
+    outs[-1].finish_reason = "length"
+    whole, _ = run(tok, outs, stop=stop)
+    assert sum(len(c.token_ids or []) for c in whole) == whole[-1].completion_tokens
+    sent = whole[:min(cut, len(whole) - 1)]  # the client got these, then its Processor died
+    resumed = ResponseDetokenizer(tok, make_request(tok, stop=stop))
+    resumed.resume(Resume(token_ids=[t for c in sent for t in c.token_ids or []],
+                          prompt_tokens=sent[-1].prompt_tokens,
+                          cached_tokens=sent[-1].cached_tokens))
+    done = sum(len(c.token_ids or []) for c in sent)
+    rest = [c for out in outs[done:] if (c := resumed.process(
+        LLMEngineOutput(token_ids=out.token_ids, finish_reason=out.finish_reason))) is not None]
+    assert "".join(c.text for c in sent + rest) == "".join(c.text for c in whole)
+    assert (rest[-1].finish_reason, rest[-1].completion_tokens, rest[-1].prompt_tokens,
+            rest[-1].cached_tokens) == (whole[-1].finish_reason, whole[-1].completion_tokens,
+                                        11, 4)
+
+
+def test_resuming_a_finished_request_is_an_error(tok: Tokenizer) -> None:
+    detok = ResponseDetokenizer(tok, make_request(tok, max_tokens=2))
+    with pytest.raises(EngineError, match="already finished"):
+        detok.resume(Resume(token_ids=ids_of(tok, "Hello world")[:2], prompt_tokens=3))

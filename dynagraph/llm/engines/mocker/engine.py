@@ -32,6 +32,7 @@ from dynagraph.llm.router.events import KvEvent
 from dynagraph.llm.router.hashing import BlockHasher, seed_from_env
 
 from .args import MockerEngineArgs
+from .outputs import OutputStream, unsupported
 from .profile import Profile, load_profile
 from .scheduler import Delta, RemoteLoad, Scheduler, SchedulerConfig
 from .sequence import Sequence, TokenSource, output_key
@@ -44,60 +45,6 @@ SHUTDOWN_TIMEOUT_S = 5.0
 MAX_CATCH_UP_S = 0.05
 """A step that starts at most this late after the previous one's end is timed from that
 end (see ``_loop``); later than that (an idle gap, a stalled process), from now."""
-
-
-def unsupported(sampling: SamplingSpec) -> str | None:
-    """The first sampling option the mocker would have to ignore, or None.
-
-    Options whose effect a client can check (several choices, logprobs, a structured
-    output, token constraints) are refused rather than ignored. The distribution's shape
-    (temperature, top-p/k, min-p, penalties) has no model to act on: temperature 0
-    makes the output depend on the prompt only, the rest changes nothing.
-    """
-    if sampling.n != 1:
-        return "n"
-    for name in ("logprobs", "prompt_logprobs", "structured_outputs", "logit_bias",
-                 "allowed_token_ids"):
-        if getattr(sampling, name) is not None:
-            return name
-    if sampling.bad_words:
-        return "bad_words"
-    return None
-
-
-class _Stream:
-    """One request's outputs, in order, for its ``generate`` iterator."""
-
-    __slots__ = ("error", "items", "waiter")
-
-    def __init__(self) -> None:
-        self.items: deque[EngineOutput] = deque()
-        self.waiter: asyncio.Future[None] | None = None
-        self.error: BaseException | None = None
-
-    def push(self, item: EngineOutput) -> None:
-        self.items.append(item)
-        self._wake()
-
-    def fail(self, error: BaseException) -> None:
-        self.error = error
-        self._wake()
-
-    def _wake(self) -> None:
-        w = self.waiter
-        if w is not None and not w.done():
-            w.set_result(None)
-
-    async def get(self) -> EngineOutput:
-        while not self.items:
-            if self.error is not None:
-                raise self.error
-            self.waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self.waiter
-            finally:
-                self.waiter = None
-        return self.items.popleft()
 
 
 class StepStats:
@@ -172,7 +119,7 @@ class MockerEngine:
         self._nominal_prefill_tps = chunk * args.speed / chunk_s if chunk_s > 0 else None
         self._nominal_decode_s = self.profile.decode_seconds(1, 1024) / args.speed or None
         self._excluded = frozenset(args.eos_token_ids)
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, OutputStream] = {}
         self._ops: deque[Callable[[], object]] = deque()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -277,7 +224,7 @@ class MockerEngine:
     # -- admission ------------------------------------------------------------------------
 
     def _admit(self, request_id: str, prompt: list[int], sampling: SamplingSpec,
-               kv_transfer_params: dict[str, Any] | None) -> _Stream:
+               kv_transfer_params: dict[str, Any] | None) -> OutputStream:
         if self._task is None:
             raise EngineError("the mocker engine is not started (call start() first)")
         if self._failed is not None:
@@ -312,7 +259,7 @@ class MockerEngine:
         )
         self.scheduler.add(seq)
         self._admitted += 1
-        stream = self._streams[request_id] = _Stream()
+        stream = self._streams[request_id] = OutputStream()
         self._wake.set()
         return stream
 

@@ -5,6 +5,8 @@
     kv_config    vLLM's KVTransferConfig (NIXL connector, host KV pool) and block hashing
     convert      SamplingSpec -> vLLM's SamplingParams, vLLM's outputs -> EngineOutput
     engine       VllmEngine: the AsyncLLM's life cycle behind the Engine protocol
+    compression_guards
+                 the KV codecs' quality guards the engine runs at start
     stats        vLLM's stat-logger hook -> the engine's load snapshot
     adapter      every patch of vLLM internals, and the vLLM versions supported
     engine_cores, engine_spin, cpu_amx

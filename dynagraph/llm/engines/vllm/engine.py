@@ -21,7 +21,7 @@ import logging
 import os
 import time
 import warnings
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from dynagraph.errors import ConfigError, EngineError, InvalidRequest, PromptTooLong
@@ -29,6 +29,10 @@ from dynagraph.llm.engines.base import EngineLoad, EngineOutput, SamplingSpec
 from dynagraph.llm.engines.reaper import Reaper, vllm_descendants
 from dynagraph.llm.engines.vllm.adapter import require_supported_vllm
 from dynagraph.llm.engines.vllm.args import VllmEngineArgs
+from dynagraph.llm.engines.vllm.compression_guards import (
+    guard_compression,
+    guard_wire_compression,
+)
 from dynagraph.llm.engines.vllm.convert import (
     invalid_request,
     to_engine_outputs,
@@ -219,9 +223,9 @@ class VllmEngine:
         self._tracker.set_limits(batched_tokens=int(scheduler.max_num_batched_tokens or 0),
                                  seqs=int(scheduler.max_num_seqs or 0))
         if self.args.kv_offload_gib > 0 and self.args.kv_compression != "none":
-            await self._guard_compression()
+            self.guard_report = await guard_compression(self, llm)
         if self.args.kv_transfer_compression != "none":
-            await self._guard_wire_compression()
+            self.wire_guard_report = await guard_wire_compression(self, llm)
         if self.args.warmup:
             await self._warm_up()
         self._start_seconds = time.monotonic() - began
@@ -250,70 +254,6 @@ class VllmEngine:
                                                   ignore_eos=True)):
             pass
         log.info("warm-up request: %.0f ms", (time.monotonic() - began) * 1000)
-
-    async def _judged(self, calibrated: Callable[[], Awaitable[Any]]) -> Any:
-        """``calibrated()``'s quality guard report, checked against this worker's limits;
-        the engine is shut down if it or the check raises (the worker refuses to start)."""
-        from dynagraph.llm.kv.quality_guard import check
-
-        try:
-            report = await calibrated()
-            check(report, max_divergence=self.args.kv_compression_max_divergence,
-                  min_agreement=self.args.kv_compression_min_agreement)
-        except BaseException:
-            await self.shutdown()
-            raise
-        return report
-
-    async def _guard_compression(self) -> None:
-        """Run the lossy pool codec's quality guard; refuse to start if it fails."""
-        from dynagraph.llm.kv.quality_guard import GuardReport, calibrate
-
-        progress.report("loading", f"kv-compression {self.args.kv_compression}: quality guard")
-
-        async def calibrated() -> GuardReport:
-            report = await calibrate(self, self.args.kv_compression, self.args.block_size,
-                                     self._llm.reset_prefix_cache)
-            log.info("quality guard: %s", report.summary())
-            return report
-
-        self.guard_report = await self._judged(calibrated)
-
-    async def _guard_wire_compression(self) -> None:
-        """Run the NIXL wire codec's quality guard; refuse to start if it fails."""
-        from dynagraph.llm.kv.quality_guard import WIRE_KEY, GuardReport, calibrate_wire
-        from dynagraph.llm.kv.transfer.wire_codec import ROUNDTRIP_RPC
-
-        codec = self.args.kv_transfer_compression
-        progress.report("loading", f"{WIRE_KEY} {codec}: quality guard")
-
-        async def calibrated() -> GuardReport:
-            if not (self.args.kv_transfer_config or {}).get("kv_connector_module_path"):
-                raise ConfigError(f"{WIRE_KEY} {codec} compresses a remote prefill's KV on "
-                                  "the NIXL wire: this engine has no NIXL connector (set it "
-                                  "on the disaggregated graphs' VllmWorker and PrefillWorker)",
-                                  key=WIRE_KEY)
-            if not self.args.enable_prefix_caching:
-                raise ConfigError(f"{WIRE_KEY}'s quality guard serves its calibration "
-                                  "prompts from the prefix cache: set enable-prefix-caching",
-                                  key=WIRE_KEY)
-            moved: list[int] = []
-            took: list[float] = []
-
-            async def roundtrip() -> None:
-                began = time.monotonic()
-                moved.extend(await self._llm.collective_rpc(ROUNDTRIP_RPC))
-                took.append(time.monotonic() - began)
-
-            report = await calibrate_wire(self, codec, self.args.block_size, roundtrip)
-            log.info("quality guard: %s (%.2f GiB of KV round-tripped in %.1f s)",
-                     report.summary(), sum(moved) / 2**30, sum(took))
-            if sum(moved) <= 0:
-                raise ConfigError(f"{WIRE_KEY} {codec}: the engine's KV is not in a wire "
-                                  "shadow (it needs a 16-bit KV cache)", key=WIRE_KEY)
-            return report
-
-        self.wire_guard_report = await self._judged(calibrated)
 
     async def shutdown(self) -> None:
         llm, self._llm = self._llm, None

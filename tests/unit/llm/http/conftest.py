@@ -12,8 +12,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from dynagraph.llm.http import create_app
-from dynagraph.llm.http.app import ModelInfo
 from dynagraph.llm.http.asgi import App
+from dynagraph.llm.http.backend import ModelInfo
 from dynagraph.llm.protocol import OpenAIRequest, TextChunk, TokenizeKind
 from dynagraph.llm.tenants import TenantToken
 

@@ -110,7 +110,7 @@ async def test_a_cancelled_stream_gives_its_connection_back(
 
 async def test_a_handler_that_outlives_the_cancel_drain_is_forgotten(
         client: RpcClient, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("dynagraph.runtime.rpc._client.CANCEL_DRAIN_S", 0.2)
+    monkeypatch.setattr("dynagraph.runtime.rpc._connection.CANCEL_DRAIN_S", 0.2)
     release = asyncio.Event()
 
     async def stubborn(payload: Any, ctx: RequestContext) -> AsyncIterator[str]:
