@@ -33,6 +33,17 @@ in its decision; placed on the least pressured candidate if the cost's choice is
 its thresholds) and counted only if admitted, in the same step, so the check and the
 count cannot be raced (``dynagraph.llm.tenants.slo_admission``).
 
+Replicas (``ServiceArgs.workers: N``): each Router replica follows every worker's two
+streams itself, so each builds the same index (a snapshot, then deltas); the replicas
+share what they route through their ``inflight`` streams (``dynagraph.llm.router.
+replicas``): each Router serves its tracked requests there (a snapshot, then begins and
+ends as they happen) and follows every other Router's (found in discovery, itself
+left out), so what one replica routed, the others count as in flight within one
+request-plane hop (``share-inflight``). A Router that starts (or restarts) registers
+its endpoints only once every live worker's KV snapshot has reached its index (and every
+peer's in-flight snapshot), or after ``sync-timeout`` seconds: until then the Processors
+route through the other replicas; the time it took is logged (``index full``).
+
 Rebalancing (``rebalance-wait``): on load reports, at most every ``REBALANCE_EVERY_S``,
 workers whose waiting requests would wait for a place longer than ``rebalance-wait``
 seconds while places are free elsewhere are asked (their ``release`` endpoint) to hand
@@ -79,6 +90,7 @@ from dynagraph.llm.router.pressure import (
     class_overlap_weight,
 )
 from dynagraph.llm.router.rebalance import releases
+from dynagraph.llm.router.replicas import InflightFeed, InflightUpdate, PeerInflight, Tracked
 from dynagraph.llm.tenants import Signer, cache_salt_of
 from dynagraph.llm.tenants.slo_admission import Action
 from dynagraph.runtime.live_settings import LiveSpec
@@ -142,6 +154,12 @@ class RouterConfig(ConfigModel):
     """Seconds a request may be expected to wait for a place in its worker's batch while
     places are free on others; those that would wait longer are handed back and placed
     again (``dynagraph.llm.router.rebalance``). null: never."""
+    share_inflight: bool = True
+    """Follow the other Router replicas' ``inflight`` streams and count what they routed
+    (``dynagraph.llm.router.replicas``); false: each replica counts only its own."""
+    sync_timeout: float = Field(default=3.0, ge=0.0)
+    """At start, longest wait for every live worker's KV snapshot (and every peer's
+    in-flight snapshot) before the Router takes requests."""
 
     @field_validator("class_overlap_weights")
     @classmethod
@@ -183,6 +201,17 @@ class Router(Component):
         self._rebalanced_at = -math.inf
         self._asked: dict[int, float] = {}  # worker -> when it was last asked to hand back
         self._releases: set[asyncio.Task[None]] = set()
+        self.feed = InflightFeed()
+        self.peers = PeerInflight(self.state, self.pressure)
+        self._peer_tasks: dict[int, asyncio.Task[None]] = {}
+        self._peer_watch: Any = None
+        self._peer_client: Any = None
+        self._synced: set[int] = set()  # workers whose KV snapshot reached the index
+        self._synced_peers: set[int] = set()  # peers whose first update was applied
+        self._sync_event = asyncio.Event()
+        self._sync_armed = False  # set once start() has seen every worker and peer
+        self.synced_in_s: float | None = None
+        """Seconds from ``start`` until the index was full (None: not yet, or timed out)."""
 
     def mode_for(self, requested: RouterMode | None) -> RouterMode:
         """A live etcd mode wins, then the request's, then the config's."""
@@ -205,6 +234,7 @@ class Router(Component):
                 # caller closes the route stream, migrated or done); forgetting them let
                 # admission fill the worker again
                 self.metrics.forget_worker(_label(w))
+                self._synced.discard(w)
         for w, info in live.items():
             if w in self._tasks:
                 continue
@@ -219,6 +249,7 @@ class Router(Component):
                                     name=f"load-{w:x}"),
             ]
             log.info("worker %x joined", w)
+        self._check_synced()
 
     def _check_hashing(self, w: int, meta: dict[str, Any]) -> None:
         size = meta.get("block_size")
@@ -238,6 +269,8 @@ class Router(Component):
 
     def _on_kv(self, w: int, batch: RelayBatch) -> None:
         self.state.apply(w, batch)
+        if w not in self._synced:
+            self._worker_synced(w)
         self.metrics.kv_event_batch(_label(w))
         self.metrics.index_blocks(_label(w), self.state.index.num_blocks(w),
                                   self.state.pooled.num_blocks(w),
@@ -292,7 +325,76 @@ class Router(Component):
                 log.debug("worker %x %s stream: %s", w, name, exc)
             if name == "load_metrics":
                 self.state.set_load(w, None)
+            elif w not in self._synced:  # unreachable (gone, lease not yet expired): no wait
+                self._worker_synced(w)
             await asyncio.sleep(self.config.reconnect_delay)
+
+    # --- the other Router replicas -------------------------------------------------
+
+    def _on_peers(self, instances: list[Any]) -> None:
+        live = {i.instance_id for i in instances} - {self.runtime.instance_id}
+        for p in list(self._peer_tasks):
+            if p not in live:
+                self._peer_tasks.pop(p).cancel()
+                dropped = self.peers.drop(p)
+                self._synced_peers.discard(p)
+                log.info("Router replica %x gone: %d of its requests no longer counted",
+                         p, dropped)
+        for p in live - self._peer_tasks.keys():
+            self._peer_tasks[p] = asyncio.create_task(self._follow_peer(p),
+                                                      name=f"peer-{p:x}")
+            log.info("following Router replica %x", p)
+        self._check_synced()
+
+    async def _follow_peer(self, p: int) -> None:
+        """Keep replica ``p``'s ``inflight`` stream open until ``p`` leaves (this task is
+        cancelled); a broken stream drops what ``p`` had in flight until its next
+        snapshot."""
+        while True:
+            try:
+                stream = self._peer_client.direct(Subscribe(), p)
+                async with contextlib.aclosing(stream):
+                    async for update in stream:
+                        self.peers.apply(p, update, time.monotonic())
+                        if p not in self._synced_peers:
+                            self._synced_peers.add(p)
+                            self._check_synced()
+            except (DynagraphError, ValueError) as exc:
+                log.debug("Router replica %x inflight stream: %s", p, exc)
+            self.peers.drop(p)
+            if p not in self._synced_peers:  # unreachable (a replica that just died): no wait
+                self._synced_peers.add(p)
+                self._check_synced()
+            await asyncio.sleep(self.config.reconnect_delay)
+
+    def _worker_synced(self, w: int) -> None:
+        self._synced.add(w)
+        self._check_synced()
+
+    def _check_synced(self) -> None:
+        """Set ``_sync_event`` once every live worker's snapshot and every peer's first
+        update have been applied."""
+        if self._sync_armed and not self._sync_event.is_set() and (
+                self._tasks.keys() <= self._synced) and (
+                self._peer_tasks.keys() <= self._synced_peers):
+            self._sync_event.set()
+
+    @endpoint(drain=False)
+    async def inflight(self, request: Subscribe) -> AsyncGenerator[InflightUpdate, None]:
+        """What this replica has in flight: a snapshot, then its begins and ends as they
+        happen (coalesced per read), until closed; for the other Router replicas."""
+        ready = asyncio.Event()
+        sub = self.feed.subscribe(ready.set)
+        try:
+            while True:
+                update = sub.take()
+                if update is None:
+                    ready.clear()
+                    await ready.wait()
+                    continue
+                yield update
+        finally:
+            self.feed.unsubscribe(sub)
 
     # --- lifecycle ----------------------------------------------------------------
 
@@ -304,21 +406,47 @@ class Router(Component):
         namespace = getattr(self.worker, "namespace", spec.namespace)
         component = getattr(self.worker, "component", spec.name)
         disc = self.runtime.discovery
+        t0 = time.monotonic()
         self._watch = await disc.watch_instances(namespace, component, "kv_events")
         self._watch.subscribe(self._on_instances)
         self._on_instances(self._watch.instances())
         self._settings_task = asyncio.create_task(
             self.settings.follow(disc.watch_prefix(self.settings.prefix)), name="router-settings")
+        if self.config.share_inflight and self.runtime.clients is not None:
+            ns, me = self.runtime.namespace, self.runtime.component
+            self._peer_client = await self.runtime.client(me, "inflight",
+                                                          response_type=InflightUpdate)
+            self._peer_watch = await disc.watch_instances(ns, me, "inflight")
+            self._peer_watch.subscribe(self._on_peers)
+            self._on_peers(self._peer_watch.instances())
+        self._sync_armed = True
+        self._check_synced()
+        try:
+            async with asyncio.timeout(self.config.sync_timeout):
+                await self._sync_event.wait()
+            self.synced_in_s = time.monotonic() - t0
+            log.info("index full: KV snapshots of %d workers and in-flight snapshots of %d "
+                     "Router replicas in %.3f s (%d blocks)", len(self._synced),
+                     len(self._synced_peers), self.synced_in_s,
+                     sum(self.state.index.num_blocks(w) for w in self._synced))
+        except TimeoutError:
+            log.warning("index not full after %.1f s (KV snapshots of %d of %d workers, "
+                        "%d of %d Router replicas): taking requests anyway",
+                        self.config.sync_timeout, len(self._synced), len(self._tasks),
+                        len(self._synced_peers), len(self._peer_tasks))
         log.info("Router mode %s (live: %smode)", self.settings.current.mode,
                  self.settings.prefix)
 
     @async_on_shutdown
     async def stop(self) -> None:
         await cancel_and_wait([t for ts in self._tasks.values() for t in ts]
-                              + [self._settings_task, *self._releases])
+                              + [self._settings_task, *self._releases,
+                                 *self._peer_tasks.values()])
         self._tasks.clear()
-        if self._watch is not None:
-            await self._watch.close()
+        self._peer_tasks.clear()
+        for watch in (self._watch, self._peer_watch):
+            if watch is not None:
+                await watch.close()
 
     # --- the endpoint -------------------------------------------------------------
 
@@ -377,6 +505,7 @@ class Router(Component):
             uncached = max(len(request.token_ids) - overlap * block_size, 1)
             self.state.begin(w, hashes, key=key, uncached_tokens=uncached, now=now)
             self.pressure.begin(w)
+            self.feed.begin(Tracked(key, w, hashes, uncached))
         try:
             yield RouteDecision(
                 worker_id=w, overlap_blocks=overlap,
@@ -387,3 +516,4 @@ class Router(Component):
             if track:
                 self.state.end(w, hashes, key, now=time.monotonic())
                 self.pressure.end(w)
+                self.feed.end(key)

@@ -7,6 +7,7 @@
     rates    RateLearner          a worker's speeds, learned from its load samples
     pending  WorkerQueue          the Router's forecast of a worker's prefill queue
     state    RouterState          the index, loads, speeds and in-flight requests; decide()
+    replicas InflightFeed/...     Router replicas sharing their in-flight requests
 
 No I/O anywhere here: the component owns sockets, discovery and metrics.
 """

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import random
 from collections.abc import AsyncIterator
@@ -312,6 +313,7 @@ async def _router(store: MemoryStore, fake: FakeWorkers, **cfg: Any) -> Router:
     runtime = RuntimeContext(namespace="dynamo", component="Router", worker_index=0,
                              instance_id=disc.instance_id, discovery=disc)
     watch = await disc.watch_instances("dynamo", "VllmWorker", "kv_events")
+    cfg.setdefault("sync_timeout", 0.0)  # the fakes send no snapshot unless told
     router = Router(RouterConfig(seed=0, reconnect_delay=0.01, **cfg), runtime=runtime,
                     worker=fake.client(watch))
     await router.start()
@@ -562,3 +564,162 @@ def test_the_time_cost_is_the_same_however_loads_are_shared() -> None:
                          prompt_tokens=130, block_size=32).costs
            for loads in (shared, copies)]
     assert got[0] == got[1] and len(set(got[0].values())) > 2
+
+
+# --- Router replicas: each follows the others' in-flight streams ----------------------
+
+
+class RouterPlane:
+    """The request plane between Router replicas: address -> the Router served there
+    (an address with no Router is one that died: unreachable)."""
+
+    def __init__(self) -> None:
+        self.routers: dict[str, Router] = {}
+        self._cuts: dict[str, asyncio.Event] = {}
+
+    def cut(self, address: str) -> Router:
+        """Break every stream from ``address`` and make it unreachable; returns its Router
+        (put it back in ``routers`` to make it reachable again)."""
+        self._cuts.pop(address, asyncio.Event()).set()
+        return self.routers.pop(address)
+
+    def call(self, address: str, endpoint: str, payload: Any, *,
+             headers: dict[str, str] | None = None) -> AsyncIterator[Any]:
+        return self._stream(address, endpoint, payload)
+
+    async def _stream(self, address: str, endpoint: str, payload: Any) -> AsyncIterator[Any]:
+        from contextlib import aclosing
+
+        from dynagraph.errors import InstanceUnavailable
+        from dynagraph.llm.protocol import Subscribe
+
+        router = self.routers.get(address)
+        if router is None:
+            raise InstanceUnavailable(f"{address}: connection refused")
+        gen = getattr(router, endpoint)(msgspec.convert(payload, Subscribe))
+        cut = self._cuts.setdefault(address, asyncio.Event())
+        async with aclosing(gen):
+            while True:
+                item = asyncio.ensure_future(anext(gen))
+                broken = asyncio.ensure_future(cut.wait())
+                await asyncio.wait({item, broken}, return_when=asyncio.FIRST_COMPLETED)
+                broken.cancel()
+                if not item.done():
+                    item.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await item
+                    raise StreamBroken(f"{address}: connection lost")
+                try:
+                    yield wire(item.result())
+                except StopAsyncIteration:
+                    return
+
+
+async def _replica(store: MemoryStore, plane: RouterPlane, snapshots: dict[int, list[int]],
+                   **cfg: Any) -> tuple[Router, MemoryDiscovery]:
+    """A Router served as ``dynamo serve`` would: started, then registered; its workers'
+    KV streams start with ``snapshots`` (worker -> block hashes)."""
+    from dynagraph.sdk._client import ClientFactory
+
+    fake = FakeWorkers()
+    for w, hashes in snapshots.items():
+        fake.q(w, "kv_events").put_nowait(
+            RelayBatch(seq=0, snapshot=True, stored=hashes).to_wire())
+    disc = MemoryDiscovery(store)
+    await disc.start()
+    runtime = RuntimeContext(namespace="dynamo", component="Router", worker_index=0,
+                             instance_id=disc.instance_id, discovery=disc,
+                             clients=ClientFactory(plane, disc))
+    watch = await disc.watch_instances("dynamo", "VllmWorker", "kv_events")
+    router = Router(RouterConfig(seed=0, reconnect_delay=0.01, **cfg), runtime=runtime,
+                    worker=fake.client(watch))
+    address = f"mem:{disc.instance_id}"
+    plane.routers[address] = router
+    await router.start()
+    for ep in ("generate", "inflight"):
+        await disc.register("dynamo", "Router", ep, address, {})
+    return router, disc
+
+
+async def test_router_replicas_count_each_others_inflight_requests() -> None:
+    store, plane = MemoryStore(), RouterPlane()
+    empty: dict[int, list[int]] = {(await _worker(store)).instance_id: [] for _ in range(2)}
+    (r1, d1), (r2, d2) = [await _replica(store, plane, empty) for _ in range(2)]
+    try:
+        await until(lambda: r1.peers.peers() == {d2.instance_id}
+                    and r2.peers.peers() == {d1.instance_id})
+        shared = prompt(4, 16)
+        gen = r1.generate(RouteRequest(token_ids=shared + prompt(5, 1), track=True))
+        first = (await anext(gen)).worker_id
+        # r2 counts it within a hop: a forecast queue, the predicted prefix, the pressure
+        await until(lambda: r2.state.queues[first].size == 1)
+        assert len(r2.state.inflight[first]) == 17 and r2.pressure.inflight == {first: 1}
+        gen2 = r2.generate(RouteRequest(token_ids=shared + prompt(6, 1), track=True))
+        d = await anext(gen2)
+        assert (d.worker_id, d.overlap_blocks) == (first, 16)  # no KV event yet
+        await until(lambda: r1.state.queues[first].size == 2)
+        assert r1.peers.count(d2.instance_id) == 1
+        await gen.aclose()  # type: ignore[attr-defined]
+        await until(lambda: r2.state.queues[first].size == 1)
+        assert r2.peers.count() == 0 and r2.pressure.inflight == {first: 1}  # its own
+        # r2 dies with its request in flight: r1 forgets it once its lease is gone
+        await r2.stop()
+        d2.expire()
+        await until(lambda: r1.peers.peers() == set())
+        assert r1.state.queues[first].idle and r1.state.inflight[first] == {}
+        await gen2.aclose()  # type: ignore[attr-defined]
+    finally:
+        await r1.stop()
+        await r2.stop()
+
+
+async def test_a_broken_peer_stream_drops_its_requests_until_the_next_snapshot() -> None:
+    store, plane = MemoryStore(), RouterPlane()
+    w = (await _worker(store)).instance_id
+    (r1, d1), (r2, d2) = [await _replica(store, plane, {w: []}) for _ in range(2)]
+    try:
+        gens = [r1.generate(RouteRequest(token_ids=prompt(i, 2), track=True)) for i in range(3)]
+        for g in gens:
+            await anext(g)
+        await until(lambda: r2.peers.count(d1.instance_id) == 3)
+        assert r1.feed.subscribers == 1
+        # r1 unreachable for a moment: r2's stream breaks, r2 forgets, then resubscribes
+        address = f"mem:{d1.instance_id}"
+        router = plane.cut(address)
+        await until(lambda: r2.peers.count() == 0 and r1.feed.subscribers == 0)
+        assert r2.state.queues[w].idle and r2.state.inflight[w] == {}
+        plane.routers[address] = router
+        await until(lambda: r2.peers.count(d1.instance_id) == 3)  # the fresh snapshot
+        assert r2.state.queues[w].size == 3
+        for g in gens:
+            await g.aclose()  # type: ignore[attr-defined]
+        await until(lambda: r2.peers.count() == 0)
+        assert r2.state.queues[w].idle and r2.state.inflight[w] == {}
+    finally:
+        await r1.stop()
+        await r2.stop()
+
+
+async def test_a_restarted_router_takes_requests_only_with_a_full_index() -> None:
+    """Workers hold blocks and a peer has requests in flight; a Router that starts (here:
+    restarts, its dead predecessor's lease not yet expired) has them all once ``start``
+    returns, and that well within 2 s."""
+    store, plane = MemoryStore(), RouterPlane()
+    workers = [(await _worker(store)).instance_id for _ in range(8)]
+    blocks = {w: hasher.block_hashes(prompt(w, 512)) for w in workers}  # 8 x 512 blocks
+    peer, _ = await _replica(store, plane, blocks)
+    gen = peer.generate(RouteRequest(token_ids=prompt(3, 4), track=True))
+    await anext(gen)
+    dead = MemoryDiscovery(store)  # the Router that was killed: registered, unreachable
+    await dead.start()
+    await dead.register("dynamo", "Router", "inflight", "mem:dead", {})
+    router, _ = await _replica(store, plane, blocks, sync_timeout=5.0)
+    try:
+        assert router.synced_in_s is not None and router.synced_in_s < 2.0
+        assert all(router.state.index.num_blocks(w) == 512 for w in workers)
+        assert router.peers.count() == 1
+        assert sum(q.size for q in router.state.queues.values()) == 1
+    finally:
+        await gen.aclose()  # type: ignore[attr-defined]
+        await router.stop()
+        await peer.stop()
