@@ -7,7 +7,7 @@ Encodes and decodes ``--blocks`` rows of ``--page-values`` bfloat16 values (one 
 K+V page of a block: the tiny model's 32-token page is 8192 values; Llama-3-8B's
 16-token page is 16 x 8 KV heads x 128 x 2 = 32768) and reports GB/s of raw KV in and
 out, the compression ratio and the error relative to each group's largest value.
-The ``wire`` rows time the same bytes through ``wire_codec.encode_into`` /
+The ``wire`` rows time the same bytes through ``wire_encode.encode_into`` /
 ``decode_into`` (a scale after each group, written into preallocated memory: what a
 prefill engine does before a READ and a decode engine after it); ``--threads`` sets
 torch's CPU threads (a vLLM CPU engine gives its process one per bound core).
@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from dynagraph.llm.kv.codec import GROUP, codec  # noqa: E402
-from dynagraph.llm.kv.transfer import wire_codec  # noqa: E402
+from dynagraph.llm.kv.transfer import wire_encode  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -88,8 +88,8 @@ def measure_wire(name: str, rows: torch.Tensor, reps: int) -> dict[str, Any]:
     shadow = torch.empty(raw.numel() // (2 * GROUP) * c.encoded_bytes(GROUP),
                          dtype=torch.uint8, device=rows.device)
     back = torch.empty_like(raw)
-    enc = timed(lambda: wire_codec.encode_into(c, rows.dtype, raw, shadow), device, reps)
-    dec = timed(lambda: wire_codec.decode_into(c, rows.dtype, shadow, back), device, reps)
+    enc = timed(lambda: wire_encode.encode_into(c, rows.dtype, raw, shadow), device, reps)
+    dec = timed(lambda: wire_encode.decode_into(c, rows.dtype, shadow, back), device, reps)
     return result(f"{name} (wire)", rows, back.view(rows.dtype), shadow.numel(), enc, dec)
 
 

@@ -65,17 +65,13 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Collection
 from typing import Any, ClassVar, TypeVar
 
-from pydantic import Field, field_validator
-
 from components.worker import VllmWorker
 from dynagraph.aio import cancel_and_wait
-from dynagraph.config import ConfigModel
 from dynagraph.errors import DynagraphError
 from dynagraph.llm.engines.base import EngineLoad
 from dynagraph.llm.protocol import Release, Subscribe
 from dynagraph.llm.router import (
     BlockHasher,
-    CostModel,
     Decision,
     RelayBatch,
     RouteDecision,
@@ -83,14 +79,15 @@ from dynagraph.llm.router import (
     RouterMode,
     RouterState,
 )
+from dynagraph.llm.router.config import LIVE, RouterConfig
 from dynagraph.llm.router.metrics import RouterMetrics
+from dynagraph.llm.router.peers import ReplicaLink, StartupSync
 from dynagraph.llm.router.pressure import (
-    DEFAULT_CLASS_OVERLAP_WEIGHTS,
     PressureView,
     class_overlap_weight,
 )
 from dynagraph.llm.router.rebalance import releases
-from dynagraph.llm.router.replicas import InflightFeed, InflightUpdate, PeerInflight, Tracked
+from dynagraph.llm.router.replicas import InflightUpdate, Tracked
 from dynagraph.llm.tenants import Signer, cache_salt_of
 from dynagraph.llm.tenants.slo_admission import Action
 from dynagraph.runtime.live_settings import LiveSpec
@@ -112,67 +109,6 @@ REBALANCE_EVERY_S = 0.25
 """Rebalancing is judged at most this often (on load reports)."""
 REASK_AFTER_S = 1.0
 """A worker asked to hand requests back is not asked again for this long."""
-DEFAULT_POOL_BLOCK_SECONDS = 0.0001
-"""Seconds to load one 32-token block of the tiny model from the host pool (from
-``benchmarks/kv_offload.py``'s result); a larger model's block costs more, but so does
-computing it."""
-
-DEFAULT_TIER_BLOCK_SECONDS = 0.0002
-"""Seconds to load one such block from the tier under the pools (``kv-offload-dir``): a
-file read into the pool, then the pool's load (from ``benchmarks/disagg_served.py
---transports shm``'s result, rounded up: dearer than the pool)."""
-
-
-class RouterConfig(ConfigModel):
-    mode: RouterMode = RouterMode.KV
-    cost_model: CostModel = CostModel.TIME
-    """``time``: seconds to first token, from speeds learned at run time (no tuning);
-    ``blocks``: Dynamo's ``overlap-weight * prefill_blocks + decode_blocks``."""
-    overlap_weight: float = Field(default=1.0, ge=0.0)
-    """Weight of the request's own prefill against the rest of the cost; 1 (the
-    default) prices it at its time under the ``time`` model."""
-    temperature: float = Field(default=0.0, ge=0.0)
-    block_size: int | None = Field(default=None, ge=1)
-    """None: use the block size the workers publish (they must all agree)."""
-    seed: int | None = None
-    """Seeds the tie-breaking RNG (for reproducible studies)."""
-    reconnect_delay: float = Field(default=0.5, gt=0.0)
-    track_timeout: float = Field(default=600.0, gt=0.0)
-    """Longest a tracked request counts as in flight."""
-    pool_block_seconds: float | None = Field(default=DEFAULT_POOL_BLOCK_SECONDS, ge=0.0)
-    """Seconds to load one block from a worker's host KV pool (``kv-offload-gib``), the
-    price of a pooled block in the ``time`` cost (cheaper than computing it, dearer than
-    one already on the engine); null: pooled blocks count as uncached."""
-    tier_block_seconds: float | None = Field(default=DEFAULT_TIER_BLOCK_SECONDS, ge=0.0)
-    """The same for a block in the tier under the pools that the workers of a host share
-    (``kv-offload-dir``): any worker naming that tier can load what another wrote there.
-    null: such blocks count as uncached."""
-    class_overlap_weights: dict[str, float] = Field(
-        default_factory=lambda: dict(DEFAULT_CLASS_OVERLAP_WEIGHTS))
-    """SLO class -> factor on ``overlap-weight`` for its requests (unlisted: 1)."""
-    rebalance_wait: float | None = Field(default=1.0, gt=0.0)
-    """Seconds a request may be expected to wait for a place in its worker's batch while
-    places are free on others; those that would wait longer are handed back and placed
-    again (``dynagraph.llm.router.rebalance``). null: never."""
-    share_inflight: bool = True
-    """Follow the other Router replicas' ``inflight`` streams and count what they routed
-    (``dynagraph.llm.router.replicas``); false: each replica counts only its own."""
-    sync_timeout: float = Field(default=3.0, ge=0.0)
-    """At start, longest wait for every live worker's KV snapshot (and every peer's
-    in-flight snapshot) before the Router takes requests."""
-
-    @field_validator("class_overlap_weights")
-    @classmethod
-    def _non_negative(cls, v: dict[str, float]) -> dict[str, float]:
-        if any(f < 0 for f in v.values()):
-            raise ValueError("class overlap weights must be >= 0")
-        return v
-
-
-LIVE = LiveSpec(RouterConfig, ("mode", "cost-model", "overlap-weight", "temperature"))
-"""Router settings that can change at run time (``/{ns}/settings/Router/<name>``)."""
-
-
 T = TypeVar("T")
 
 
@@ -201,15 +137,9 @@ class Router(Component):
         self._rebalanced_at = -math.inf
         self._asked: dict[int, float] = {}  # worker -> when it was last asked to hand back
         self._releases: set[asyncio.Task[None]] = set()
-        self.feed = InflightFeed()
-        self.peers = PeerInflight(self.state, self.pressure)
-        self._peer_tasks: dict[int, asyncio.Task[None]] = {}
-        self._peer_watch: Any = None
-        self._peer_client: Any = None
-        self._synced: set[int] = set()  # workers whose KV snapshot reached the index
-        self._synced_peers: set[int] = set()  # peers whose first update was applied
-        self._sync_event = asyncio.Event()
-        self._sync_armed = False  # set once start() has seen every worker and peer
+        self.sync = StartupSync()
+        self.replicas = ReplicaLink(self.state, self.pressure, self.sync,
+                                    reconnect_delay=config.reconnect_delay)
         self.synced_in_s: float | None = None
         """Seconds from ``start`` until the index was full (None: not yet, or timed out)."""
 
@@ -234,7 +164,7 @@ class Router(Component):
                 # caller closes the route stream, migrated or done); forgetting them let
                 # admission fill the worker again
                 self.metrics.forget_worker(_label(w))
-                self._synced.discard(w)
+                self.sync.forget_worker(w)
         for w, info in live.items():
             if w in self._tasks:
                 continue
@@ -242,6 +172,7 @@ class Router(Component):
             self.state.add_worker(w)
             tier = info.metadata.get("kv_tier")
             self.state.set_tier(w, tier if isinstance(tier, str) else None)
+            self.sync.expect_worker(w)
             self._tasks[w] = [
                 asyncio.create_task(self._follow(w, self.worker.kv_events, self._on_kv),
                                     name=f"kv-{w:x}"),
@@ -249,7 +180,6 @@ class Router(Component):
                                     name=f"load-{w:x}"),
             ]
             log.info("worker %x joined", w)
-        self._check_synced()
 
     def _check_hashing(self, w: int, meta: dict[str, Any]) -> None:
         size = meta.get("block_size")
@@ -269,8 +199,7 @@ class Router(Component):
 
     def _on_kv(self, w: int, batch: RelayBatch) -> None:
         self.state.apply(w, batch)
-        if w not in self._synced:
-            self._worker_synced(w)
+        self.sync.worker_done(w)
         self.metrics.kv_event_batch(_label(w))
         self.metrics.index_blocks(_label(w), self.state.index.num_blocks(w),
                                   self.state.pooled.num_blocks(w),
@@ -325,76 +254,18 @@ class Router(Component):
                 log.debug("worker %x %s stream: %s", w, name, exc)
             if name == "load_metrics":
                 self.state.set_load(w, None)
-            elif w not in self._synced:  # unreachable (gone, lease not yet expired): no wait
-                self._worker_synced(w)
+            else:  # unreachable (gone, lease not yet expired): no wait
+                self.sync.worker_done(w)
             await asyncio.sleep(self.config.reconnect_delay)
-
-    # --- the other Router replicas -------------------------------------------------
-
-    def _on_peers(self, instances: list[Any]) -> None:
-        live = {i.instance_id for i in instances} - {self.runtime.instance_id}
-        for p in list(self._peer_tasks):
-            if p not in live:
-                self._peer_tasks.pop(p).cancel()
-                dropped = self.peers.drop(p)
-                self._synced_peers.discard(p)
-                log.info("Router replica %x gone: %d of its requests no longer counted",
-                         p, dropped)
-        for p in live - self._peer_tasks.keys():
-            self._peer_tasks[p] = asyncio.create_task(self._follow_peer(p),
-                                                      name=f"peer-{p:x}")
-            log.info("following Router replica %x", p)
-        self._check_synced()
-
-    async def _follow_peer(self, p: int) -> None:
-        """Keep replica ``p``'s ``inflight`` stream open until ``p`` leaves (this task is
-        cancelled); a broken stream drops what ``p`` had in flight until its next
-        snapshot."""
-        while True:
-            try:
-                stream = self._peer_client.direct(Subscribe(), p)
-                async with contextlib.aclosing(stream):
-                    async for update in stream:
-                        self.peers.apply(p, update, time.monotonic())
-                        if p not in self._synced_peers:
-                            self._synced_peers.add(p)
-                            self._check_synced()
-            except (DynagraphError, ValueError) as exc:
-                log.debug("Router replica %x inflight stream: %s", p, exc)
-            self.peers.drop(p)
-            if p not in self._synced_peers:  # unreachable (a replica that just died): no wait
-                self._synced_peers.add(p)
-                self._check_synced()
-            await asyncio.sleep(self.config.reconnect_delay)
-
-    def _worker_synced(self, w: int) -> None:
-        self._synced.add(w)
-        self._check_synced()
-
-    def _check_synced(self) -> None:
-        """Set ``_sync_event`` once every live worker's snapshot and every peer's first
-        update have been applied."""
-        if self._sync_armed and not self._sync_event.is_set() and (
-                self._tasks.keys() <= self._synced) and (
-                self._peer_tasks.keys() <= self._synced_peers):
-            self._sync_event.set()
 
     @endpoint(drain=False)
     async def inflight(self, request: Subscribe) -> AsyncGenerator[InflightUpdate, None]:
         """What this replica has in flight: a snapshot, then its begins and ends as they
         happen (coalesced per read), until closed; for the other Router replicas."""
-        ready = asyncio.Event()
-        sub = self.feed.subscribe(ready.set)
-        try:
-            while True:
-                update = sub.take()
-                if update is None:
-                    ready.clear()
-                    await ready.wait()
-                    continue
+        updates = self.replicas.serve()
+        async with contextlib.aclosing(updates):
+            async for update in updates:
                 yield update
-        finally:
-            self.feed.unsubscribe(sub)
 
     # --- lifecycle ----------------------------------------------------------------
 
@@ -406,47 +277,36 @@ class Router(Component):
         namespace = getattr(self.worker, "namespace", spec.namespace)
         component = getattr(self.worker, "component", spec.name)
         disc = self.runtime.discovery
-        t0 = time.monotonic()
         self._watch = await disc.watch_instances(namespace, component, "kv_events")
         self._watch.subscribe(self._on_instances)
         self._on_instances(self._watch.instances())
         self._settings_task = asyncio.create_task(
             self.settings.follow(disc.watch_prefix(self.settings.prefix)), name="router-settings")
         if self.config.share_inflight and self.runtime.clients is not None:
-            ns, me = self.runtime.namespace, self.runtime.component
-            self._peer_client = await self.runtime.client(me, "inflight",
-                                                          response_type=InflightUpdate)
-            self._peer_watch = await disc.watch_instances(ns, me, "inflight")
-            self._peer_watch.subscribe(self._on_peers)
-            self._on_peers(self._peer_watch.instances())
-        self._sync_armed = True
-        self._check_synced()
-        try:
-            async with asyncio.timeout(self.config.sync_timeout):
-                await self._sync_event.wait()
-            self.synced_in_s = time.monotonic() - t0
+            await self.replicas.start(self.runtime)
+        sync = self.sync
+        self.synced_in_s = await sync.wait(self.config.sync_timeout)
+        if self.synced_in_s is not None:
             log.info("index full: KV snapshots of %d workers and in-flight snapshots of %d "
-                     "Router replicas in %.3f s (%d blocks)", len(self._synced),
-                     len(self._synced_peers), self.synced_in_s,
-                     sum(self.state.index.num_blocks(w) for w in self._synced))
-        except TimeoutError:
+                     "Router replicas in %.3f s (%d blocks)", len(sync.workers_done),
+                     len(sync.peers_done), self.synced_in_s,
+                     sum(self.state.index.num_blocks(w) for w in sync.workers_done))
+        else:
             log.warning("index not full after %.1f s (KV snapshots of %d of %d workers, "
                         "%d of %d Router replicas): taking requests anyway",
-                        self.config.sync_timeout, len(self._synced), len(self._tasks),
-                        len(self._synced_peers), len(self._peer_tasks))
+                        self.config.sync_timeout, len(sync.workers_done), len(sync.workers),
+                        len(sync.peers_done), len(sync.peers))
         log.info("Router mode %s (live: %smode)", self.settings.current.mode,
                  self.settings.prefix)
 
     @async_on_shutdown
     async def stop(self) -> None:
         await cancel_and_wait([t for ts in self._tasks.values() for t in ts]
-                              + [self._settings_task, *self._releases,
-                                 *self._peer_tasks.values()])
+                              + [self._settings_task, *self._releases])
         self._tasks.clear()
-        self._peer_tasks.clear()
-        for watch in (self._watch, self._peer_watch):
-            if watch is not None:
-                await watch.close()
+        await self.replicas.stop()
+        if self._watch is not None:
+            await self._watch.close()
 
     # --- the endpoint -------------------------------------------------------------
 
@@ -505,7 +365,7 @@ class Router(Component):
             uncached = max(len(request.token_ids) - overlap * block_size, 1)
             self.state.begin(w, hashes, key=key, uncached_tokens=uncached, now=now)
             self.pressure.begin(w)
-            self.feed.begin(Tracked(key, w, hashes, uncached))
+            self.replicas.begin(Tracked(key, w, hashes, uncached))
         try:
             yield RouteDecision(
                 worker_id=w, overlap_blocks=overlap,
@@ -516,4 +376,4 @@ class Router(Component):
             if track:
                 self.state.end(w, hashes, key, now=time.monotonic())
                 self.pressure.end(w)
-                self.feed.end(key)
+                self.replicas.end(key)

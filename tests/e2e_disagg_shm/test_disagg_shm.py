@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from dynagraph.cli.core_keeper import split_processes
-from dynagraph.llm.kv.transfer.shm_direct import MANIFEST_DIR, MANIFEST_PREFIX
+from dynagraph.llm.kv.transfer.shm_memory import MANIFEST_DIR, MANIFEST_PREFIX
 from tests.e2e_disagg.conftest import (
     BLOCK,
     BLOCK_BYTES,

@@ -33,6 +33,11 @@ def mocker_infra() -> Iterator[tuple[LocalService, LocalService]]:
         yield etcd, nats
 
 
+def token_ids(rng: random.Random, n: int) -> list[int]:
+    """``n`` random token ids of the tiny model's ordinary vocabulary."""
+    return [rng.randrange(10, 900) for _ in range(n)]
+
+
 def complete(url: str, prompt: list[int], max_tokens: int = 4) -> dict[str, Any]:
     r = httpx.post(f"{url}/v1/completions", timeout=60, json={
         "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})

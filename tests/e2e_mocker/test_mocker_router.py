@@ -16,7 +16,7 @@ import pytest
 from dynagraph.runtime.infra import LocalService
 from tests.support.serve import ServeProcess, graph_env, served
 
-from .conftest import complete, per_worker, wait_records
+from .conftest import complete, per_worker, token_ids, wait_records
 
 pytestmark = pytest.mark.integration
 
@@ -26,7 +26,7 @@ rng = random.Random(14)
 
 
 def tokens(n: int) -> list[int]:
-    return [rng.randrange(10, 900) for _ in range(n)]
+    return token_ids(rng, n)
 
 
 @pytest.fixture(scope="module")

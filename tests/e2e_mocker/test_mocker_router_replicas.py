@@ -23,7 +23,7 @@ import pytest
 from dynagraph.runtime.infra import LocalService
 from tests.support.serve import ServeProcess, graph_env, served
 
-from .conftest import complete, records, wait_records
+from .conftest import complete, records, token_ids, wait_records
 
 pytestmark = pytest.mark.integration
 
@@ -33,7 +33,7 @@ rng = random.Random(48)
 
 
 def tokens(n: int) -> list[int]:
-    return [rng.randrange(10, 900) for _ in range(n)]
+    return token_ids(rng, n)
 
 
 @pytest.fixture(scope="module")

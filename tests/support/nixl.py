@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from dynagraph.llm.kv.transfer.shm_direct import Telemetry
+from dynagraph.llm.kv.transfer.nixl_descs import Telemetry
 
 NIXL_HANDLE = "nixl-handle"
 """The handle of a READ left to NIXL (``moves_bytes`` off)."""

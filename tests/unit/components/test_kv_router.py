@@ -22,6 +22,7 @@ from dynagraph.runtime.discovery import MemoryDiscovery, MemoryStore
 from dynagraph.sdk import RuntimeContext
 from dynagraph.sdk.testing import in_memory_client
 from tests.support.poll import until
+from tests.support.router import state_with
 
 A, B = 0xA1, 0xB2
 C, D = 0xC, 0xD
@@ -31,14 +32,6 @@ hasher = BlockHasher(BS)
 
 def prompt(tag: int, blocks: int, extra: int = 0) -> list[int]:
     return [tag * 1000 + i for i in range(blocks * BS + extra)]
-
-
-def state_with(*workers: int) -> RouterState:
-    s = RouterState(random.Random(0))
-    for w in workers:
-        s.add_worker(w)
-        s.set_load(w, EngineLoad(kv_blocks_total=1000))
-    return s
 
 
 # --- RouterState --------------------------------------------------------------------
@@ -646,8 +639,8 @@ async def test_router_replicas_count_each_others_inflight_requests() -> None:
     empty: dict[int, list[int]] = {(await _worker(store)).instance_id: [] for _ in range(2)}
     (r1, d1), (r2, d2) = [await _replica(store, plane, empty) for _ in range(2)]
     try:
-        await until(lambda: r1.peers.peers() == {d2.instance_id}
-                    and r2.peers.peers() == {d1.instance_id})
+        await until(lambda: r1.replicas.peers.peers() == {d2.instance_id}
+                    and r2.replicas.peers.peers() == {d1.instance_id})
         shared = prompt(4, 16)
         gen = r1.generate(RouteRequest(token_ids=shared + prompt(5, 1), track=True))
         first = (await anext(gen)).worker_id
@@ -658,14 +651,14 @@ async def test_router_replicas_count_each_others_inflight_requests() -> None:
         d = await anext(gen2)
         assert (d.worker_id, d.overlap_blocks) == (first, 16)  # no KV event yet
         await until(lambda: r1.state.queues[first].size == 2)
-        assert r1.peers.count(d2.instance_id) == 1
+        assert r1.replicas.peers.count(d2.instance_id) == 1
         await gen.aclose()  # type: ignore[attr-defined]
         await until(lambda: r2.state.queues[first].size == 1)
-        assert r2.peers.count() == 0 and r2.pressure.inflight == {first: 1}  # its own
+        assert r2.replicas.peers.count() == 0 and r2.pressure.inflight == {first: 1}  # its own
         # r2 dies with its request in flight: r1 forgets it once its lease is gone
         await r2.stop()
         d2.expire()
-        await until(lambda: r1.peers.peers() == set())
+        await until(lambda: r1.replicas.peers.peers() == set())
         assert r1.state.queues[first].idle and r1.state.inflight[first] == {}
         await gen2.aclose()  # type: ignore[attr-defined]
     finally:
@@ -681,19 +674,19 @@ async def test_a_broken_peer_stream_drops_its_requests_until_the_next_snapshot()
         gens = [r1.generate(RouteRequest(token_ids=prompt(i, 2), track=True)) for i in range(3)]
         for g in gens:
             await anext(g)
-        await until(lambda: r2.peers.count(d1.instance_id) == 3)
-        assert r1.feed.subscribers == 1
+        await until(lambda: r2.replicas.peers.count(d1.instance_id) == 3)
+        assert r1.replicas.feed.subscribers == 1
         # r1 unreachable for a moment: r2's stream breaks, r2 forgets, then resubscribes
         address = f"mem:{d1.instance_id}"
         router = plane.cut(address)
-        await until(lambda: r2.peers.count() == 0 and r1.feed.subscribers == 0)
+        await until(lambda: r2.replicas.peers.count() == 0 and r1.replicas.feed.subscribers == 0)
         assert r2.state.queues[w].idle and r2.state.inflight[w] == {}
         plane.routers[address] = router
-        await until(lambda: r2.peers.count(d1.instance_id) == 3)  # the fresh snapshot
+        await until(lambda: r2.replicas.peers.count(d1.instance_id) == 3)  # the fresh snapshot
         assert r2.state.queues[w].size == 3
         for g in gens:
             await g.aclose()  # type: ignore[attr-defined]
-        await until(lambda: r2.peers.count() == 0)
+        await until(lambda: r2.replicas.peers.count() == 0)
         assert r2.state.queues[w].idle and r2.state.inflight[w] == {}
     finally:
         await r1.stop()
@@ -717,7 +710,7 @@ async def test_a_restarted_router_takes_requests_only_with_a_full_index() -> Non
     try:
         assert router.synced_in_s is not None and router.synced_in_s < 2.0
         assert all(router.state.index.num_blocks(w) == 512 for w in workers)
-        assert router.peers.count() == 1
+        assert router.replicas.peers.count() == 1
         assert sum(q.size for q in router.state.queues.values()) == 1
     finally:
         await gen.aclose()  # type: ignore[attr-defined]

@@ -11,7 +11,7 @@ Modules: ``profile`` (timing data, step pricing), ``kv`` (block pool, prefix cac
 KV events), ``sequence`` (one request), ``scheduler`` (vLLM v1's step),
 ``transfer`` (simulated KV hand-off), ``args``, ``engine`` (the asyncio step task),
 ``outputs`` (refused sampling options, a request's output queue).
-``tools/profile_vllm_cpu.py`` measures the ``cpu-tiny`` profile.
+``benchmarks/profiling/profile_vllm_cpu.py`` measures the ``cpu-tiny`` profile.
 ``tests/vllm/test_mocker_fidelity.py`` runs one workload through vLLM's own scheduler and
 this one and requires the same tokens scheduled and the same KV events in every step.
 

@@ -32,7 +32,7 @@ prefill). The mocker prices a step from its :class:`StepWork`:
   pays it once. ``overhead`` is the profile's ``step_overhead_seconds`` when set,
   else the cheapest measured decode step (the minimum of ``decode.seconds``).
 
-Profiles made by ``tools/profile_vllm_cpu.py`` also carry ``mixed``: measured mixed
+Profiles made by ``benchmarks/profiling/profile_vllm_cpu.py`` also carry ``mixed``: measured mixed
 steps, so the rule above can be checked against the engine it imitates
 (``Profile.mixed_errors``).
 """

@@ -54,7 +54,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
 )
 
 from dynagraph.llm.engines.vllm import adapter
-from dynagraph.llm.kv.transfer import nixl_settle, shm_direct, wire_codec
+from dynagraph.llm.kv.transfer import (
+    nixl_settle,
+    shm_direct,
+    shm_memory,
+    wire_codec,
+    wire_shadow,
+)
 from dynagraph.llm.kv.transfer.nixl_side import (
     delayed_agent_config,
     progress_delay_from_env,
@@ -83,7 +89,7 @@ install()
 
 def _rehome(kv_caches: Any) -> None:
     """A KV cache vLLM just allocated, its buffer moved to a memfd before anything views it."""
-    region = shm_direct.rehome(kv_caches)
+    region = shm_memory.rehome(kv_caches)
     if region is not None:
         log.info("KV cache in shared memory (%.2f GiB)", region.nbytes / 2**30)
 
@@ -139,7 +145,7 @@ class NixlConnector(_VllmNixlConnector):
     def shutdown(self) -> None:
         adapter.stop_handshake_listener(self, LISTENER_JOIN_S)
         if self._published is not None:
-            shm_direct.withdraw(self._published)
+            shm_memory.withdraw(self._published)
             self._published = None
         if self._codec in _CODEC_AGENTS:
             _CODEC_AGENTS.remove(self._codec)
@@ -164,10 +170,10 @@ class NixlConnector(_VllmNixlConnector):
         worker = adapter.connector_worker(self)
         if worker is None or not shm_direct.enabled():
             return
-        regions = shm_direct.regions_of(t.data_ptr() for t in kv_caches.values())
+        regions = shm_memory.regions_of(t.data_ptr() for t in kv_caches.values())
         if regions:
             agent = str(worker.nixl_wrapper.name)
-            shm_direct.publish(agent, regions)
+            shm_memory.publish(agent, regions)
             self._published = agent
 
     def wait_for_save(self) -> None:
@@ -193,7 +199,7 @@ class NixlConnector(_VllmNixlConnector):
             self._tails[req_id] = ids[-1]
             while len(self._tails) > TAILS_KEPT:
                 del self._tails[next(iter(self._tails))]
-            addrs, lens = wire_codec.block_ranges(bases, worker.block_len_per_layer,
-                                                  worker.block_stride_per_layer, ids)
+            addrs, lens = wire_shadow.block_ranges(bases, worker.block_len_per_layer,
+                                                   worker.block_stride_per_layer, ids)
             if not self._codec.encode(addrs, lens):
                 log.warning("request %s: its KV blocks are not in the wire shadow", req_id)

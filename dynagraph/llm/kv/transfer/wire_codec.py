@@ -14,7 +14,7 @@ READ cuts it into.
    buffer), :meth:`CodecNixl.encode` writes them into the shadow: before the request's
    output, so before any decode engine can READ them.
 2. **The hand-shake.** The shadow's place goes to the peer inside NIXL's agent metadata,
-   which vLLM hands over as opaque bytes: :func:`add_trailer` appends the codec and the
+   which vLLM hands over as opaque bytes: :func:`wire_shadow.add_trailer` appends the codec and the
    regions' raw and shadow addresses; :meth:`CodecNixl.add_remote_agent` takes them off
    before NIXL sees the metadata.
 3. **Decode side.** :class:`CodecNixl` stands in front of vLLM's NIXL agent. A READ from
@@ -27,33 +27,42 @@ A peer without the trailer, or with another codec, is read raw, as before (its r
 memory is registered either way); a same-host peer the ``shm_direct`` stand-in maps is
 copied raw (a ``memcpy`` is cheaper than the codec). Lossy codecs pass the quality guard
 at start-up (``quality_guard``: the engine's cached blocks round-tripped through the
-codec in place, :func:`roundtrip`). Pure apart from the memory calls; no vLLM import
-(``nixl_connector`` does the wiring).
+codec in place, ``wire_encode.roundtrip``).
+
+The feature is in three modules, by role:
+
+    wire_shadow   where the encoded bytes live (pure): ``ShadowMap`` (raw addresses to
+                  shadow addresses), the metadata trailer that hands it to a peer (2),
+                  vLLM's block ranges
+    wire_encode   the codec over memory ranges: ``encode_into``, ``decode_into``,
+                  ``roundtrip``, ``memory``
+    wire_codec    the switch (``ENV``, ``wire_codec``, ``ROUNDTRIP_RPC``) and the stand-in
+                  (1, 3): ``CodecNixl``, ``CodecRead``
+
+Pure apart from the memory calls; no vLLM import (``nixl_connector`` does the wiring).
 """
 
 from __future__ import annotations
 
-import ctypes
-import json
 import logging
 import os
-import struct
 import time
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import torch
 
-from dynagraph.llm.kv.codec import CHUNK_VALUES, GROUP, KvCodec, codec, group_decoder
-from dynagraph.llm.kv.transfer.shm_direct import (
+from dynagraph.llm.kv.codec import GROUP, codec
+from dynagraph.llm.kv.transfer.nixl_descs import (
     LOCAL_AGENT,
     Telemetry,
     agent_text,
     descriptor_rows,
     merge_ranges,
 )
+from dynagraph.llm.kv.transfer.wire_encode import decode_into, encode_into, memory, roundtrip
+from dynagraph.llm.kv.transfer.wire_shadow import RAW_GROUP, ShadowMap, add_trailer, split_trailer
 
 log = logging.getLogger(__name__)
 
@@ -64,150 +73,11 @@ ENV = "DYNAGRAPH_KV_WIRE_CODEC"
 ROUNDTRIP_RPC = "dynagraph_kv_wire_roundtrip"
 """vLLM ``collective_rpc`` method (installed by ``nixl_connector``) that round-trips the
 engine's KV through its wire codec in place, for the quality guard."""
-RAW_GROUP = GROUP * 2
-"""Bytes of one group of 16-bit values."""
-MAGIC = b"DGWC1"
-_TRAILER = struct.Struct("<I")
-CHUNK_GROUPS = 1 << 16
-"""Groups encoded (or decoded, by a ``module:Class`` codec) at a time (8 MiB of raw KV):
-bounds the temporaries. The built-in codecs decode ``CHUNK_VALUES`` at a time."""
 
 
 def wire_codec(environ: Mapping[str, str] = os.environ) -> str | None:
     name = environ.get(ENV, "").strip()
     return None if name in ("", "none") else name
-
-
-def memory(addr: int, nbytes: int) -> torch.Tensor:
-    """``nbytes`` of this process's memory at ``addr`` as a uint8 tensor (no copy)."""
-    return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(addr), dtype=torch.uint8)
-
-
-# ---- where the encoded bytes live --------------------------------------------------------
-
-
-@dataclass(frozen=True, eq=False)
-class ShadowMap:
-    """Registered raw regions and their shadows, in one process's addresses."""
-
-    raw: np.ndarray  # region bases, ascending
-    ends: np.ndarray
-    shadow: np.ndarray  # each region's shadow base
-    encoded: int  # bytes per group, encoded
-
-    @classmethod
-    def of(cls, regions: Iterable[tuple[int, int, int]], encoded: int) -> ShadowMap:
-        """From ``(raw base, raw bytes, shadow base)`` rows."""
-        rows = sorted(regions)
-        return cls(np.array([r[0] for r in rows], np.uint64),
-                   np.array([r[0] + r[1] for r in rows], np.uint64),
-                   np.array([r[2] for r in rows], np.uint64), int(encoded))
-
-    def to_shadow(self, addrs: np.ndarray, lens: np.ndarray
-                  ) -> tuple[np.ndarray, np.ndarray] | None:
-        """The shadow ranges of raw ranges (None if one is outside every region or not
-        aligned to a group)."""
-        addrs = np.asarray(addrs, np.uint64)
-        lens = np.asarray(lens, np.uint64)
-        if len(addrs) == 0 or len(self.raw) == 0:
-            return None
-        idx = np.searchsorted(self.raw, addrs, side="right").astype(np.int64) - 1
-        if idx.min() < 0 or np.any(addrs + lens > self.ends[np.maximum(idx, 0)]):
-            return None
-        offsets = addrs - self.raw[idx]
-        if np.any(offsets % RAW_GROUP) or np.any(lens % RAW_GROUP):
-            return None
-        enc = np.uint64(self.encoded)
-        return (self.shadow[idx] + offsets // np.uint64(RAW_GROUP) * enc,
-                lens // np.uint64(RAW_GROUP) * enc)
-
-    def info(self, codec_name: str) -> dict[str, Any]:
-        return {"codec": codec_name, "encoded": self.encoded,
-                "regions": [[int(b), int(e - b), int(s)]
-                            for b, e, s in zip(self.raw, self.ends, self.shadow, strict=True)]}
-
-    @classmethod
-    def from_info(cls, info: Mapping[str, Any]) -> ShadowMap:
-        return cls.of((tuple(r) for r in info["regions"]), int(info["encoded"]))
-
-
-def add_trailer(metadata: bytes, info: Mapping[str, Any]) -> bytes:
-    """NIXL agent metadata with ``info`` appended (taken off by :func:`split_trailer`)."""
-    body = json.dumps(info).encode()
-    return metadata + body + _TRAILER.pack(len(body)) + MAGIC
-
-
-def split_trailer(metadata: bytes) -> tuple[bytes, dict[str, Any] | None]:
-    """NIXL's own metadata and our trailer's info (None: a peer without one)."""
-    if not metadata.endswith(MAGIC) or len(metadata) < len(MAGIC) + _TRAILER.size:
-        return metadata, None
-    end = len(metadata) - len(MAGIC)
-    (size,) = _TRAILER.unpack(metadata[end - _TRAILER.size:end])
-    start = end - _TRAILER.size - size
-    if start < 0:
-        return metadata, None
-    try:
-        info = json.loads(metadata[start:end - _TRAILER.size])
-    except ValueError:
-        return metadata, None
-    return metadata[:start], info if isinstance(info, dict) else None
-
-
-def block_ranges(bases: Iterable[int], block_lens: Iterable[int], strides: Iterable[int],
-                 block_ids: Iterable[int]) -> tuple[np.ndarray, np.ndarray]:
-    """The raw ranges of ``block_ids`` in every region (vLLM's layout: block ``b`` of a
-    region at ``base + b * stride``, ``block_len`` bytes), region by region."""
-    ids = np.asarray(list(block_ids), np.uint64)
-    addrs, lens = [], []
-    for base, n, stride in zip(bases, block_lens, strides, strict=True):
-        addrs.append(np.uint64(base) + ids * np.uint64(stride))
-        lens.append(np.full(len(ids), n, np.uint64))
-    if not addrs:
-        return np.zeros(0, np.uint64), np.zeros(0, np.uint64)
-    return np.concatenate(addrs), np.concatenate(lens)
-
-
-# ---- the codec over memory ranges --------------------------------------------------------
-
-
-def encode_into(kv: KvCodec, dtype: torch.dtype, raw: torch.Tensor, out: torch.Tensor) -> None:
-    """Encode ``raw`` (bytes of 16-bit values) into ``out`` (its encoded bytes)."""
-    enc = kv.encoded_bytes(GROUP)
-    groups = raw.numel() // RAW_GROUP
-    for g in range(0, groups, CHUNK_GROUPS):
-        n = min(CHUNK_GROUPS, groups - g)
-        rows = raw[g * RAW_GROUP:(g + n) * RAW_GROUP].view(dtype).view(n, GROUP)
-        out[g * enc:(g + n) * enc].copy_(kv.encode(rows).view(-1))
-
-
-def decode_into(kv: KvCodec, dtype: torch.dtype, data: torch.Tensor, raw: torch.Tensor) -> None:
-    """Decode ``data`` (encoded groups) into ``raw``: a built-in codec straight into it,
-    ``CHUNK_VALUES`` at a time (``Grouped.decode_groups``)."""
-    enc = kv.encoded_bytes(GROUP)
-    groups = data.numel() // enc
-    grouped = group_decoder(kv)
-    step = CHUNK_VALUES // GROUP if grouped is not None else CHUNK_GROUPS
-    for g in range(0, groups, step):
-        n = min(step, groups - g)
-        d = data[g * enc:(g + n) * enc].view(n, enc)
-        dst = raw[g * RAW_GROUP:(g + n) * RAW_GROUP].view(dtype).view(n, GROUP)
-        if grouped is not None:
-            grouped.decode_groups(d[:, :GROUP], d[:, GROUP:].view(torch.float16), dst)
-        else:
-            dst.copy_(kv.decode(d, GROUP, dtype))
-
-
-def roundtrip(kv: KvCodec, dtype: torch.dtype, raw: torch.Tensor) -> None:
-    """``raw`` replaced by what it becomes through the codec (the quality guard's view of
-    a transfer)."""
-    enc = kv.encoded_bytes(GROUP)
-    groups = raw.numel() // RAW_GROUP
-    scratch = torch.empty(min(groups, CHUNK_GROUPS) * enc, dtype=torch.uint8)
-    for g in range(0, groups, CHUNK_GROUPS):
-        n = min(CHUNK_GROUPS, groups - g)
-        part = raw[g * RAW_GROUP:(g + n) * RAW_GROUP]
-        encode_into(kv, dtype, part, scratch[:n * enc])
-        decode_into(kv, dtype, scratch[:n * enc], part)
 
 
 # ---- the NIXL agent's stand-in -----------------------------------------------------------
@@ -462,4 +332,3 @@ class CodecNixl:
     def release_xfer_handle(self, handle: Any) -> Any:
         inner = handle.inner if isinstance(handle, CodecRead) else handle
         return self._agent.release_xfer_handle(inner)
-

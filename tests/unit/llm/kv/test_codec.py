@@ -8,7 +8,7 @@ import torch
 from dynagraph.errors import ConfigError
 from dynagraph.llm.kv.codec import CHUNK_VALUES, GROUP, codec, group_decoder
 from dynagraph.llm.kv.quality_guard import Sample, check, judge
-from dynagraph.llm.kv.transfer import wire_codec as wc
+from dynagraph.llm.kv.transfer import wire_encode as we
 from tests.support.bad_codec import SignOnly
 
 
@@ -95,11 +95,11 @@ def test_chunked_decode_restores_the_first_implementations_values(
     # the wire's layout (a scale after each group) over flat memory, same numbers
     raw = rows.reshape(-1).view(torch.uint8)
     shadow = torch.empty(raw.numel() // (2 * GROUP) * c.encoded_bytes(GROUP), dtype=torch.uint8)
-    wc.encode_into(c, torch.bfloat16, raw, shadow)
+    we.encode_into(c, torch.bfloat16, raw, shadow)
     per_group = _first_encode(name, rows.reshape(-1, GROUP))
     assert torch.equal(shadow, per_group.reshape(-1))
     restored = torch.empty_like(rows)
-    wc.decode_into(c, torch.bfloat16, shadow, restored.view(-1).view(torch.uint8))
+    we.decode_into(c, torch.bfloat16, shadow, restored.view(-1).view(torch.uint8))
     assert torch.equal(restored.reshape(-1, GROUP),
                        _first_decode(name, per_group, GROUP, torch.bfloat16))
 
@@ -116,8 +116,8 @@ def test_a_codec_overriding_decode_is_not_bypassed_on_the_wire() -> None:
     assert group_decoder(odd) is None and group_decoder(SignOnly()) is not None
     rows = torch.randn(4, GROUP, dtype=torch.bfloat16)
     shadow = torch.empty(4 * odd.encoded_bytes(GROUP), dtype=torch.uint8)
-    wc.encode_into(odd, torch.bfloat16, rows.view(-1).view(torch.uint8), shadow)
+    we.encode_into(odd, torch.bfloat16, rows.view(-1).view(torch.uint8), shadow)
     back = torch.empty_like(rows)
-    wc.decode_into(odd, torch.bfloat16, shadow, back.view(-1).view(torch.uint8))
+    we.decode_into(odd, torch.bfloat16, shadow, back.view(-1).view(torch.uint8))
     assert torch.equal(back, odd.decode(shadow.view(4, -1), GROUP, torch.bfloat16))
 

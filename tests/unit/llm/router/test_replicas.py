@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import random
-
 import msgspec
 
-from dynagraph.llm.engines.base import EngineLoad
-from dynagraph.llm.router import BlockHasher, RouterMode, RouterState
+from dynagraph.llm.router import BlockHasher, RouterMode
 from dynagraph.llm.router.pressure import PressureView
 from dynagraph.llm.router.replicas import InflightFeed, InflightUpdate, PeerInflight, Tracked
+from tests.support.router import state_with
 
 A, B = 0xA1, 0xB2
 P, Q = 0x51, 0x52  # peer Routers
@@ -92,14 +90,6 @@ def test_updates_survive_the_wire() -> None:
 
 
 # --- PeerInflight ---------------------------------------------------------------------
-
-
-def state_with(*workers: int) -> RouterState:
-    s = RouterState(random.Random(0))
-    for w in workers:
-        s.add_worker(w)
-        s.set_load(w, EngineLoad(kv_blocks_total=1000))
-    return s
 
 
 def test_a_peers_requests_count_here_under_keys_of_their_own() -> None:

@@ -14,8 +14,7 @@ import pytest
 
 from dynagraph.errors import InstanceUnavailable, StreamBroken
 from dynagraph.runtime.rpc import RequestContext, RpcClient, RpcServer
-from dynagraph.runtime.rpc._framing import FrameEncoder
-from dynagraph.runtime.rpc._server import STREAM_WINDOW
+from dynagraph.runtime.rpc._framing import STREAM_WINDOW, FrameEncoder
 from tests.support.poll import collect, until
 
 

@@ -13,8 +13,14 @@ import pytest
 
 from dynagraph.errors import InstanceUnavailable, StreamBroken
 from dynagraph.runtime.rpc import ProtocolError, RequestContext, RpcClient, RpcServer, RpcStream
-from dynagraph.runtime.rpc._framing import ALIVE, END, ITEM, FrameDecoder, FrameEncoder
-from dynagraph.runtime.rpc._server import STREAM_WINDOW
+from dynagraph.runtime.rpc._framing import (
+    ALIVE,
+    END,
+    ITEM,
+    STREAM_WINDOW,
+    FrameDecoder,
+    FrameEncoder,
+)
 from tests.support.poll import collect, until
 
 from .test_lifecycle import FakeServer, Slow, serving

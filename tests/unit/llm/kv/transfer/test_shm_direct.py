@@ -1,4 +1,5 @@
-"""Same-host KV reads from another engine's shared cache (``shm_direct``), without vLLM:
+"""Same-host KV reads from another engine's shared cache (``shm_direct``, with
+``shm_memory`` and ``nixl_descs``), without vLLM:
 the copy plan, the move of a cache to a memfd, the manifest a peer maps, and the NIXL
 agent's stand-in that turns a READ from a mapped peer into copies."""
 
@@ -17,6 +18,8 @@ import pytest
 import torch
 
 from dynagraph.llm.kv.transfer import shm_direct as sd
+from dynagraph.llm.kv.transfer import shm_memory as sm
+from dynagraph.llm.kv.transfer.nixl_descs import merge_runs
 from dynagraph.runtime.addresses import host_id
 from tests.support.nixl import FakeNixlAgent
 
@@ -24,11 +27,11 @@ from tests.support.nixl import FakeNixlAgent
 def test_descriptor_pairs_merge_into_runs_contiguous_on_both_sides() -> None:
     dst = np.array([100, 110, 120, 200, 210], np.uint64)
     src = np.array([500, 510, 600, 610, 620], np.uint64)
-    d, s, n = sd.merge_runs(dst, src, np.full(5, 10, np.uint64))
+    d, s, n = merge_runs(dst, src, np.full(5, 10, np.uint64))
     # 100-120 is contiguous here but not there (510 -> 600); 120 -> 200 breaks here
     assert (d.tolist(), s.tolist(), n.tolist()) == ([100, 120, 200], [500, 600, 610],
                                                       [20, 10, 20])
-    empty = sd.merge_runs(np.array([], np.uint64), np.array([], np.uint64),
+    empty = merge_runs(np.array([], np.uint64), np.array([], np.uint64),
                           np.array([], np.uint64))
     assert all(len(a) == 0 for a in empty)
 
@@ -51,13 +54,13 @@ def test_rehome_moves_every_view_of_a_buffer_to_one_memfd() -> None:
     k = buf[: 4096 * 2].view(torch.bfloat16).view(2, 2048)
     v = buf[4096 * 2:].view(torch.bfloat16).view(2, 2048)
     caches = {"layer.0": k, "layer.1": v, "layer.2": k}  # a shared layer: the same tensor
-    region = sd.rehome(caches)
+    region = sm.rehome(caches)
     assert region is not None and region.nbytes == 4096 * 4
     assert os.readlink(f"/proc/self/fd/{region.fd}").startswith("/memfd:dynagraph-kv")
     assert k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr() == region.addr
     assert v.data_ptr() - k.data_ptr() == 4096 * 2  # offsets kept
     v[1, 5] = 3.5
-    assert sd.regions_of([v.data_ptr()]) == [region]
+    assert sm.regions_of([v.data_ptr()]) == [region]
     peer = np.memmap(f"/proc/self/fd/{region.fd}", dtype=np.uint8, mode="r")
     back = torch.frombuffer(bytearray(peer[4096 * 2:].tobytes()), dtype=torch.bfloat16)
     assert float(back.view(2, 2048)[1, 5]) == 3.5  # the memfd holds what the views hold
@@ -65,17 +68,17 @@ def test_rehome_moves_every_view_of_a_buffer_to_one_memfd() -> None:
 
 
 def manifest_for(tmp_path: Path, agent: str, body: dict[str, Any]) -> None:
-    sd.manifest_path(agent, tmp_path).write_text(json.dumps(body))
+    sm.manifest_path(agent, tmp_path).write_text(json.dumps(body))
 
 
 def test_a_published_peer_maps_and_translates_its_addresses(tmp_path: Path) -> None:
     cache = {"l": torch.zeros(8192, dtype=torch.int8)}
-    region = sd.rehome(cache)
+    region = sm.rehome(cache)
     assert region is not None
     cache["l"][100] = 7
-    path = sd.publish("agent-a", [region], tmp_path)
+    path = sm.publish("agent-a", [region], tmp_path)
     assert json.loads(path.read_text())["pid"] == os.getpid()
-    peer = sd.PeerMemory.open("agent-a", tmp_path)
+    peer = sm.PeerMemory.open("agent-a", tmp_path)
     assert peer is not None
     lens = np.array([4, 4], np.uint64)
     local = peer.translate(np.array([region.addr + 100, region.addr + 8188], np.uint64), lens)
@@ -85,12 +88,12 @@ def test_a_published_peer_maps_and_translates_its_addresses(tmp_path: Path) -> N
     # a range past the region's end is not this peer's memory
     assert peer.translate(np.array([region.addr + 8190], np.uint64), lens[:1]) is None
     assert peer.translate(np.array([region.addr - 1], np.uint64), lens[:1]) is None
-    sd.withdraw("agent-a", tmp_path)
-    assert not path.exists() and sd.PeerMemory.open("agent-a", tmp_path) is None
+    sm.withdraw("agent-a", tmp_path)
+    assert not path.exists() and sm.PeerMemory.open("agent-a", tmp_path) is None
 
 
 def test_a_manifest_of_another_host_or_another_file_is_not_mapped(tmp_path: Path) -> None:
-    region = sd.rehome({"l": torch.zeros(4096, dtype=torch.int8)})
+    region = sm.rehome({"l": torch.zeros(4096, dtype=torch.int8)})
     assert region is not None
     regions = [{"addr": region.addr, "nbytes": region.nbytes, "fd": region.fd,
                 "ino": region.ino}]
@@ -101,9 +104,9 @@ def test_a_manifest_of_another_host_or_another_file_is_not_mapped(tmp_path: Path
     manifest_for(tmp_path, "gone", {"pid": os.getpid(), "host": host_id(),
                                     "regions": [{**regions[0], "fd": 10_000}]})
     for agent in ("far", "moved", "gone", "never-published"):
-        assert sd.PeerMemory.open(agent, tmp_path) is None, agent
+        assert sm.PeerMemory.open(agent, tmp_path) is None, agent
     with pytest.raises(ValueError, match="agent name"):
-        sd.manifest_path("../x", tmp_path)
+        sm.manifest_path("../x", tmp_path)
 
 
 def test_sweep_removes_the_manifests_of_dead_processes(tmp_path: Path) -> None:
@@ -111,18 +114,18 @@ def test_sweep_removes_the_manifests_of_dead_processes(tmp_path: Path) -> None:
                           capture_output=True, text=True, check=True)
     manifest_for(tmp_path, "dead", {"pid": int(dead.stdout), "host": host_id(), "regions": []})
     manifest_for(tmp_path, "live", {"pid": os.getpid(), "host": host_id(), "regions": []})
-    assert sd.sweep(tmp_path) == 1
-    assert [p.name for p in tmp_path.iterdir()] == [f"{sd.MANIFEST_PREFIX}live.json"]
+    assert sm.sweep(tmp_path) == 1
+    assert [p.name for p in tmp_path.iterdir()] == [f"{sm.MANIFEST_PREFIX}live.json"]
 
 
 OWNER = textwrap.dedent("""
     import sys, torch
     from pathlib import Path
-    from dynagraph.llm.kv.transfer import shm_direct as sd
+    from dynagraph.llm.kv.transfer import shm_memory as sm
     cache = {"l": torch.zeros(1 << 16, dtype=torch.int8)}
-    region = sd.rehome(cache)
+    region = sm.rehome(cache)
     cache["l"][:4096] = torch.arange(4096, dtype=torch.int64).remainder(127).to(torch.int8)
-    sd.publish("owner", [region], Path(sys.argv[1]))
+    sm.publish("owner", [region], Path(sys.argv[1]))
     print(region.addr, flush=True)
     sys.stdin.read()  # until the reader is done
 """)
@@ -146,7 +149,7 @@ def test_another_process_reads_the_published_cache_until_it_is_gone(tmp_path: Pa
         owner.wait(timeout=30)
         # the owner is gone: its memory is unmapped and a READ from it is NIXL's
         assert nixl.make_prepped_xfer("READ", mine, [1], theirs, [0]) == "nixl-handle"
-        assert nixl.peer("owner") is None and sd.sweep(tmp_path) == 1
+        assert nixl.peer("owner") is None and sm.sweep(tmp_path) == 1
     finally:
         owner.kill()
         owner.wait(timeout=30)
@@ -159,10 +162,10 @@ def descs(base: int, blocks: int, block: int) -> np.ndarray:
 
 def test_a_read_from_a_mapped_peer_is_a_copy_and_its_notification(tmp_path: Path) -> None:
     remote = {"l": torch.zeros(8 * 64, dtype=torch.int8)}
-    region = sd.rehome(remote)
+    region = sm.rehome(remote)
     assert region is not None
     remote["l"].view(8, 64)[3] = 9  # the peer's block 3
-    sd.publish("prefill-agent", [region], tmp_path)
+    sm.publish("prefill-agent", [region], tmp_path)
     local = np.zeros((8, 64), np.uint8)
     agent = FakeNixlAgent()
     nixl = sd.ShmNixl(agent, tmp_path)
@@ -204,13 +207,13 @@ def test_the_env_switch() -> None:
 
 PEAK = textwrap.dedent("""
     import resource, torch
-    from dynagraph.llm.kv.transfer import shm_direct as sd
+    from dynagraph.llm.kv.transfer import shm_memory as sm
     gib = 1 << 30
     buf = torch.ones(gib, dtype=torch.int8)  # every page touched, as vLLM's zeros
     caches = {"k": buf[: gib // 2].view(torch.bfloat16), "v": buf[gib // 2:].view(torch.bfloat16)}
     del buf
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    assert sd.rehome(caches) is not None
+    assert sm.rehome(caches) is not None
     grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
     print(grew // 1024)
 """)
@@ -250,7 +253,7 @@ def test_populate_maps_the_pages_without_holding_the_gil() -> None:
     thread.start()
     try:
         began = time.perf_counter()
-        assert sd.populate(view.ctypes.data, n)
+        assert sm.populate(view.ctypes.data, n)
         took = time.perf_counter() - began
     finally:
         done.set()
@@ -265,13 +268,13 @@ def test_a_peer_of_several_regions_translates_into_each(tmp_path: Path) -> None:
     import ctypes
 
     caches = [{"l": torch.zeros(4096 * (i + 1), dtype=torch.int8)} for i in range(3)]
-    regions = [sd.rehome(c) for c in caches]  # the caches stay alive: their fds stay open
+    regions = [sm.rehome(c) for c in caches]  # the caches stay alive: their fds stay open
     for i, c in enumerate(caches):
         c["l"][8] = i + 1
     listed = sorted((r for r in regions if r is not None), key=lambda r: -r.addr)
     assert len(listed) == 3
-    sd.publish("many", listed, tmp_path)  # not in address order
-    peer = sd.PeerMemory.open("many", tmp_path)
+    sm.publish("many", listed, tmp_path)  # not in address order
+    peer = sm.PeerMemory.open("many", tmp_path)
     assert peer is not None
     local = peer.translate(np.array([r.addr + 8 for r in regions if r is not None], np.uint64),
                            np.full(3, 1, np.uint64))

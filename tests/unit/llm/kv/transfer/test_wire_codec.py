@@ -1,6 +1,7 @@
-"""KV compressed on the NIXL wire (``wire_codec``), without vLLM or NIXL: the raw-to-shadow
-map, the hand-shake trailer, the codec over memory ranges, and the NIXL agent's stand-in
-between two engines of one process (a fake agent moves the bytes a READ names)."""
+"""KV compressed on the NIXL wire, without vLLM or NIXL: the raw-to-shadow map and the
+hand-shake trailer (``wire_shadow``), the codec over memory ranges (``wire_encode``), and
+the NIXL agent's stand-in between two engines of one process (``wire_codec``; a fake
+agent moves the bytes a READ names)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ import torch
 
 from dynagraph.llm.kv.codec import Int8
 from dynagraph.llm.kv.transfer import wire_codec as wc
-from dynagraph.llm.kv.transfer.shm_direct import merge_ranges
+from dynagraph.llm.kv.transfer import wire_encode as we
+from dynagraph.llm.kv.transfer import wire_shadow as ws
+from dynagraph.llm.kv.transfer.nixl_descs import merge_ranges
 from tests.support.bad_codec import SignOnly
 from tests.support.nixl import FakeNixlAgent
 
@@ -20,7 +23,7 @@ BLOCK = 1024  # bytes of one block of one region (512 16-bit values)
 
 
 def test_raw_ranges_map_linearly_onto_the_shadow() -> None:
-    m = wc.ShadowMap.of([(1 << 20, 8 * BLOCK, 1 << 30), (1 << 22, 4 * BLOCK, 1 << 31)], 66)
+    m = ws.ShadowMap.of([(1 << 20, 8 * BLOCK, 1 << 30), (1 << 22, 4 * BLOCK, 1 << 31)], 66)
     got = m.to_shadow(np.array([(1 << 20) + 3 * BLOCK, (1 << 22) + BLOCK], np.uint64),
                       np.array([BLOCK, 2 * BLOCK], np.uint64))
     assert got is not None
@@ -33,20 +36,20 @@ def test_raw_ranges_map_linearly_onto_the_shadow() -> None:
                        np.array([2 * BLOCK], np.uint64)) is None
     assert m.to_shadow(np.array([(1 << 20) + 64], np.uint64),
                        np.array([128], np.uint64)) is None
-    assert wc.ShadowMap.from_info(m.info("int8")).info("x") == m.info("x")
+    assert ws.ShadowMap.from_info(m.info("int8")).info("x") == m.info("x")
 
 
 def test_the_trailer_rides_on_nixl_metadata_and_comes_off() -> None:
     md = b"\x00nixl-agent-metadata\xff" * 10
     info = {"codec": "int8", "encoded": 66, "regions": [[1, 2, 3]]}
-    sent = wc.add_trailer(md, info)
-    assert sent.startswith(md) and wc.split_trailer(sent) == (md, info)
-    assert wc.split_trailer(md) == (md, None)  # a peer without one
-    assert wc.split_trailer(b"x" + wc.MAGIC) == (b"x" + wc.MAGIC, None)
+    sent = ws.add_trailer(md, info)
+    assert sent.startswith(md) and ws.split_trailer(sent) == (md, info)
+    assert ws.split_trailer(md) == (md, None)  # a peer without one
+    assert ws.split_trailer(b"x" + ws.MAGIC) == (b"x" + ws.MAGIC, None)
 
 
 def test_block_ranges_cover_every_region() -> None:
-    addrs, lens = wc.block_ranges([1000, 50_000], [128, 256], [256, 256], [0, 2])
+    addrs, lens = ws.block_ranges([1000, 50_000], [128, 256], [256, 256], [0, 2])
     assert addrs.tolist() == [1000, 1512, 50_000, 50_512]
     assert lens.tolist() == [128, 128, 256, 256]
 
@@ -67,13 +70,13 @@ def test_encode_and_decode_over_memory_restore_the_values_closely() -> None:
     raw = kv.view(torch.uint8)
     enc = Int8()
     shadow = torch.zeros(raw.numel() // 128 * 66, dtype=torch.uint8)
-    wc.encode_into(enc, torch.bfloat16, raw, shadow)
+    we.encode_into(enc, torch.bfloat16, raw, shadow)
     back = torch.zeros_like(kv)
-    wc.decode_into(enc, torch.bfloat16, shadow, back.view(torch.uint8))
+    we.decode_into(enc, torch.bfloat16, shadow, back.view(torch.uint8))
     err = (back.float() - kv.float()).abs().max().item()
     assert 0 < err < 0.03 * kv.float().abs().max().item()
     again = kv.clone()
-    wc.roundtrip(enc, torch.bfloat16, again.view(torch.uint8))
+    we.roundtrip(enc, torch.bfloat16, again.view(torch.uint8))
     assert torch.equal(again, back)
 
 
@@ -101,7 +104,7 @@ def test_a_read_from_a_peer_of_the_same_codec_moves_encoded_bytes() -> None:
     blocks = p_cache.view(8, BLOCK // 2)
     blocks.copy_(torch.randn(8, BLOCK // 2, dtype=torch.float16))
     # prefill: the request's blocks 2, 3 and 6 go into the shadow after its forward pass
-    addrs, lens = wc.block_ranges([p_cache.data_ptr()], [BLOCK], [BLOCK], [2, 3, 6])
+    addrs, lens = ws.block_ranges([p_cache.data_ptr()], [BLOCK], [BLOCK], [2, 3, 6])
     assert prefill.encode(addrs, lens) == 3 * BLOCK
     # the hand-shake carries the shadow's place; NIXL gets its own metadata only
     peer = decode.add_remote_agent(prefill.get_agent_metadata())
