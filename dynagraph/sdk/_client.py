@@ -238,12 +238,6 @@ def endpoint_client(ep: object) -> EndpointClient:
     raise TypeError(f"{ep!r} is not an endpoint of a depends() client (self.dep.endpoint)")
 
 
-def call(ep: Callable[[R], AsyncIterator[T]], request: R, *,
-         headers: dict[str, str] | None = None) -> AsyncGenerator[T, None]:
-    """``ep(request)`` (round robin) with request-plane ``headers``."""
-    return endpoint_client(ep).round_robin(request, headers=headers)
-
-
 def at_random(ep: Callable[[R], AsyncIterator[T]], request: R, *,
               headers: dict[str, str] | None = None) -> AsyncGenerator[T, None]:
     """``ep(request)`` on a live instance picked at random."""
