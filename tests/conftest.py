@@ -5,6 +5,7 @@ Set ETCD_ENDPOINTS / NATS_SERVER to use already-running services instead.
 
 from __future__ import annotations
 
+import multiprocessing.util
 import os
 import shutil
 import tempfile
@@ -27,6 +28,9 @@ def _private_tmpdir() -> Iterator[Path]:
     engines, etcd, NATS), removed at the end: vLLM's IPC sockets and ``vllm_dist_*``
     directories were left in the system temp dir, several hundred per run."""
     root = Path(tempfile.mkdtemp(prefix="dynagraph-tests-"))
+    # multiprocessing's own directory (fork server sockets) stays outside: it removes
+    # it when this process exits, after the session's teardown removed ``root``.
+    multiprocessing.util.get_temp_dir()
     saved = os.environ.get("TMPDIR")
     os.environ["TMPDIR"] = str(root)
     tempfile.tempdir = None  # gettempdir() reads TMPDIR again

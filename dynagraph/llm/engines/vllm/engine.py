@@ -27,7 +27,12 @@ from typing import Any
 from dynagraph.errors import ConfigError, EngineError, InvalidRequest, PromptTooLong
 from dynagraph.llm.engines.base import EngineLoad, EngineOutput, SamplingSpec
 from dynagraph.llm.engines.reaper import Reaper, vllm_descendants
-from dynagraph.llm.engines.vllm.adapter import require_supported_vllm
+from dynagraph.llm.engines.vllm import forkserver
+from dynagraph.llm.engines.vllm.adapter import (
+    cpu_build,
+    require_supported_vllm,
+    start_processes_from,
+)
 from dynagraph.llm.engines.vllm.args import VllmEngineArgs
 from dynagraph.llm.engines.vllm.compression_guards import (
     guard_compression,
@@ -131,6 +136,9 @@ class VllmEngine:
     def _build(self) -> Any:
         """Create the AsyncLLM (blocking: loads the model, starts the engine core)."""
         apply_env(self.args)
+        from_forkserver = forkserver.wanted(cpu_build())
+        if from_forkserver:
+            forkserver.start()  # it imports vLLM while this process does
         with warnings.catch_warnings():  # vLLM's import trips torch FutureWarnings
             warnings.simplefilter("ignore", FutureWarning)
             from vllm import AsyncEngineArgs
@@ -138,6 +146,8 @@ class VllmEngine:
             from vllm.platforms import current_platform
             from vllm.v1.engine.async_llm import AsyncLLM
 
+        if from_forkserver:
+            start_processes_from(forkserver.CONTEXT)
         if current_platform.is_cpu() and self.args.block_size % 32:
             raise ConfigError(
                 f"block-size {self.args.block_size} must be a multiple of 32 on the CPU",
