@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import tempfile
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -72,8 +73,10 @@ def agg_reference(model_dir: Path) -> dict[str, Greedy]:
             {**graph_env(etcd.url, nats.url), "TMPDIR": tmp_dir},
             ready_timeout=300) as sp:
         url = sp.url()
-        return {p: _reference(url, p, SHORT_TOKENS) for p in PROMPTS} | {
-            p: _reference(url, p, STREAM_TOKENS) for p in STREAM_PROMPTS}
+        asks = [(p, SHORT_TOKENS) for p in PROMPTS] + [(p, STREAM_TOKENS) for p in STREAM_PROMPTS]
+        with ThreadPoolExecutor(len(asks)) as pool:  # one batch: the long ones take a while
+            answers = pool.map(lambda ask: _reference(url, *ask), asks)
+            return {p: answer for (p, _), answer in zip(asks, answers, strict=True)}
 
 
 def _reference(url: str, prompt: str, max_tokens: int) -> Greedy:

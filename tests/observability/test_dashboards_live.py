@@ -1,6 +1,7 @@
 """Every dashboard panel returns data from a real Prometheus that scraped a running graph.
 
-For each graph (agg, agg_router, disagg), the test starts the graph with ``dynamo serve`` (its
+For each graph (agg; disagg_router, which has every component of agg_router and disagg
+too: one graph serves the routing and disaggregation panels), the test starts the graph with ``dynamo serve`` (its
 file_sd targets file in a temp dir), starts Debian's Prometheus through
 ``scripts/prometheus.sh`` against that file, drives traffic, and then for every
 panel assigned to the graph in ``deploy/grafana/requirements.yaml``: every metric
@@ -36,18 +37,18 @@ from .live import (
 )
 
 MARKS = {"agg": [pytest.mark.integration, pytest.mark.vllm],
-         "agg_router": [pytest.mark.integration, pytest.mark.vllm],
-         "disagg": [pytest.mark.integration, pytest.mark.vllm, pytest.mark.nixl]}
-LONG_PROMPTS = {"disagg": 4}
-"""Prompts over the disagg config's max-local-prefill-length (512): remote prefills, so
-the queue and KV-transfer panels have data."""
+         "disagg_router": [pytest.mark.integration, pytest.mark.vllm, pytest.mark.nixl]}
+LONG_PROMPTS = {"disagg_router": 4}
+"""Prompts over the disagg_router config's max-local-prefill-length (512): remote
+prefills, so the queue and KV-transfer panels have data."""
 MOVED = {
     "agg": ["dynamo_frontend_requests_total"],
-    "agg_router": ["dynamo_frontend_requests_total", "dynamo_router_decisions_total"],
-    "disagg": ['dynamo_worker_prefill_requests_total{where="remote"}',
-               "dynamo_prefill_queue_wait_seconds_count",
-               "dynamo_worker_kv_transfers_total", "dynamo_worker_kv_transfer_bytes_total",
-               "dynamo_worker_kv_transfer_seconds_count"],
+    "disagg_router": ["dynamo_frontend_requests_total", "dynamo_router_decisions_total",
+                      'dynamo_worker_prefill_requests_total{where="remote"}',
+                      "dynamo_prefill_queue_wait_seconds_count",
+                      "dynamo_worker_kv_transfers_total",
+                      "dynamo_worker_kv_transfer_bytes_total",
+                      "dynamo_worker_kv_transfer_seconds_count"],
 }
 """Counters the driven traffic must have moved: a counter exported at 0 gives its panel
 "data" too, so the panels alone would not show that, say, a KV transfer was counted."""

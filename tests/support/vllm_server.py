@@ -3,7 +3,7 @@
 Started the way the agg graph serves the same model: block size 32, eager mode, the
 same chat template, the ``hermes`` tool parser with auto tool choice, prompt token
 details (cached tokens) on. It runs in its own session; :meth:`stop` ends the whole
-process group (API server and engine core).
+process group (API server and engine core, which runs the model).
 """
 
 from __future__ import annotations
@@ -31,7 +31,9 @@ class VllmServer:
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
                "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
                "VLLM_DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1"}
-        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        # The model runs in the engine core's process (two processes, not three): this
+        # server is the reference for the API's behaviour, not for its process layout.
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
              "--model", str(model_dir), "--served-model-name", served_name,

