@@ -35,7 +35,9 @@ judged, never a migration.
 Migration (``dynagraph.llm.migration``): a worker stream that breaks after output has
 started continues on another worker of the model (prompt + tokens already sent), up to
 ``migration-limit`` times per request; then the client gets an error, never a short
-answer.
+answer. Where a worker could not be reached and every live worker has failed the
+request (the only one died), it first waits up to ``migration-wait`` seconds for another
+to register (its restart).
 """
 
 from __future__ import annotations
@@ -107,6 +109,10 @@ INLINE_PROMPT_BYTES = 16 * 1024
 stall every other request on this event loop (a thread costs ~50 us, a small prompt less)."""
 
 
+WORKER_POLL_S = 0.1
+"""How often a request waiting for a worker (``migration-wait``) looks at discovery."""
+
+
 class ProcessorConfig(ConfigModel):
     model: str
     """Model directory: the tokenizer and chat template come from here."""
@@ -118,6 +124,10 @@ class ProcessorConfig(ConfigModel):
     migration_limit: int = Field(default=3, ge=0)
     """How many times one request may move to another worker after its worker failed
     mid-stream (``dynagraph.llm.migration``); 0 turns migration off."""
+    migration_wait: float = Field(default=10.0, ge=0.0)
+    """Seconds a request whose worker could not be reached waits for a live worker that has
+    not failed it (say the restart of the only one) before it tries again anyway (as the
+    Frontend's ``worker-wait`` for a new request)."""
     served_model_name: str | None = None
     """The model name of workers that publish none (engines from before model discovery)."""
     tool_call_parser: str | None = None
@@ -264,8 +274,24 @@ class Processor(Component):
                 return self._routed(req, candidates(), at, admission=judged)
             return self._first_reachable(req, None, candidates(), at)
 
+        async def before_retry(at: Attempt, failure: Exception) -> None:
+            if isinstance(failure, InstanceUnavailable):  # unreachable: it is gone
+                await self._worker_besides(at.failures, candidates)
+
         return migrating(pre, attempt, limit=self.config.migration_limit,
-                         on_migrate=self.metrics.migrated, continued=resumed)
+                         on_migrate=self.metrics.migrated, continued=resumed,
+                         before_retry=before_retry)
+
+    async def _worker_besides(self, failed: list[int],
+                              candidates: Callable[[], tuple[int, ...]]) -> None:
+        """Wait until a live worker not in ``failed`` is registered, at most
+        ``migration-wait`` seconds."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.migration_wait
+        while loop.time() < deadline:
+            if any(w not in failed for w in candidates()):
+                return
+            await asyncio.sleep(WORKER_POLL_S)
 
     async def _routed(self, pre: PreprocessedRequest, candidates: tuple[int, ...],
                       attempt: Attempt, *, admission: bool = False

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,8 +95,14 @@ class _Choice:
 async def migrating(request: PreprocessedRequest, dispatch: Dispatch, *, limit: int,
                     on_migrate: Callable[[int | None, Exception], None] | None = None,
                     earlier: Attempt | None = None,
-                    continued: bool = False) -> AsyncGenerator[LLMEngineOutput, None]:
+                    continued: bool = False,
+                    before_retry: Callable[[Attempt, Exception], Awaitable[None]] | None = None,
+                    ) -> AsyncGenerator[LLMEngineOutput, None]:
     """``dispatch(request)``'s outputs, continued on other workers after worker failures.
+
+    ``before_retry(attempt, failure)`` is awaited after each worker failure, before the
+    request goes on: the caller may wait there (bounded) for a worker that has not failed
+    it, such as the restart of the only one.
 
     A constrained request (structured outputs, forced tool calls) that already has output
     is not continued: its grammar would restart on the continuation's prompt.
@@ -160,11 +166,14 @@ async def migrating(request: PreprocessedRequest, dispatch: Dispatch, *, limit: 
                     [len(c.tokens) for c in choices], type(failure).__name__, failure,
                     migrations, limit)
         first = False
+        if before_retry is not None:
+            await before_retry(attempt, failure)
         if n > 1:
             streams = [
                 _reindexed(i, migrating(continuation(request, c.tokens, f"m{migrations}c{i}"),
                                         dispatch, limit=limit - migrations,
-                                        on_migrate=on_migrate, earlier=attempt))
+                                        on_migrate=on_migrate, earlier=attempt,
+                                        before_retry=before_retry))
                 for i, c in enumerate(choices) if not c.finished]
             merged = _merge(streams)
             try:

@@ -270,3 +270,26 @@ async def test_interactive_goes_at_once_and_batch_is_shed_past_max_delay(
         await run_as(p, "batch")
     assert info.value.retry_after == 1 and info.value.code == "slo_shed"
     assert workers.calls == [7]  # only the interactive request reached the worker
+
+
+async def test_a_request_waits_for_the_restart_of_its_only_worker(processor: Make) -> None:
+    """The only worker dies mid-stream and, still registered, cannot be reached; the
+    request waits (``migration-wait``) until its restart registers and goes on there."""
+    class Workers(FakeWorkers):
+        async def direct(self, request: Any, instance_id: int) -> AsyncIterator[Any]:
+            self.calls.append(instance_id)
+            if instance_id == 7 and len(self.calls) == 1:
+                yield {"token_ids": [11]}
+                raise StreamBroken("connection lost")
+            if instance_id == 7:  # killed: its lease has not expired yet
+                asyncio.get_running_loop().call_later(0.3, setattr, self, "ids", [8])
+                raise InstanceUnavailable("cannot connect")
+            yield {"token_ids": [12], "finish_reason": "length"}
+
+    workers = Workers([7])
+    p = processor(FakeRouter(RemoteError("X", "no router")), workers)
+    pre = PreprocessedRequest(request_id="r", token_ids=[1, 2],
+                              sampling=SamplingParams(max_tokens=2))
+    out = [x async for x in p._dispatch(pre, lambda: tuple(workers.ids))]
+    assert [t for x in out for t in x.token_ids] == [11, 12]
+    assert workers.calls == [7, 7, 8], workers.calls

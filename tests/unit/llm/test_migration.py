@@ -186,3 +186,20 @@ def test_failed_workers_are_avoided_while_another_is_left() -> None:
     at.failed(1)
     nxt = at.after()
     assert nxt.worker is None and nxt.allowed([1, 2, 3]) == [3] and nxt.allowed([1, 2]) == [2]
+
+
+async def test_before_retry_runs_between_a_failure_and_the_next_try() -> None:
+    """The only worker dies; while the request waits in ``before_retry`` its restart
+    registers (a new id), and the request goes on there, not on the dead one again."""
+    whole = tokens(await collect(migrating(request(), Workers(1).dispatch, limit=0)))
+    w = Workers(1, fail_after={1: 5})
+    waited: list[tuple[list[int], str]] = []
+
+    async def before_retry(attempt: Attempt, failure: Exception) -> None:
+        waited.append((list(attempt.failures), str(failure)))
+        w.ids = [2]  # worker 1 left discovery; its restart is worker 2
+
+    outs = await collect(migrating(request(), w.dispatch, limit=1, before_retry=before_retry))
+    assert tokens(outs) == whole
+    assert waited == [([1], "connection reset")]
+    assert [c[0] for c in w.calls] == [1, 2]
