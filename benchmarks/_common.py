@@ -343,6 +343,7 @@ async def stream_request(session: Any, url: str, body: dict[str, Any],
                                 timeout=aiohttp.ClientTimeout(total=time_limit)) as resp:
             if resp.status != 200:
                 res.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                res.end = time.perf_counter() - res.start
                 return res
             async for raw in resp.content.iter_any():
                 now = time.perf_counter() - res.start

@@ -67,11 +67,12 @@ class Window:
 
 
 def pids_of(graph: bench.ManagedProcess, component: str) -> list[int]:
-    """PIDs of ``component``'s processes from the ready banner and restart lines."""
+    """PIDs of ``component``'s processes from the ready banner (``Component[i] pid=N``) and
+    the supervisor's start lines (``Component[i]  started, pid N``: restarts, scale-ups)."""
     found: dict[str, int] = {}
     for line in graph.lines:
         m = re.search(rf"\b{component}\[(\d+)\] pid=(\d+)", line) or re.search(
-            rf"started {component}:(\d+) pid=(\d+)", line)
+            rf"\b{component}\[(\d+)\]\s+started, pid (\d+)", line)
         if m:
             found[m.group(1)] = int(m.group(2))
     return [p for p in found.values() if pid_alive(p)]

@@ -249,3 +249,28 @@ def start_processes_from(context: Any) -> None:
     for name in _PROCESS_STARTERS:
         module = importlib.import_module(name)
         setattr(module, "get_mp_context", lambda: context)  # noqa: B010
+
+
+def cpu_preload(ld_preload: str, torch_dir: str, vllm_dir: str) -> str:
+    """``LD_PRELOAD`` as vLLM's CPU platform sets it for the engine processes it starts
+    (``platforms/cpu.py``, ``check_and_update_config``): PyTorch's libgomp appended where
+    no OpenMP library is preloaded yet, vLLM's bundled tcmalloc put first where none is.
+    ``torch_dir`` and ``vllm_dir`` are the packages' directories. For processes started
+    before vLLM sets it (the engine fork server): they must load the same libraries."""
+    import glob
+    import os
+
+    out = ld_preload
+    if not any(lib in out for lib in ("libomp", "libgomp", "libiomp")):
+        site = os.path.dirname(torch_dir)
+        found = [p for d in (os.path.join(site, "torch.libs"), os.path.join(torch_dir, "lib"))
+                 for p in glob.glob(os.path.join(d, "libgomp*.so*"))]
+        if found:
+            out = f"{out}:{found[0]}" if out else found[0]
+    if "libtcmalloc" not in out:
+        for pattern in ("libtcmalloc_minimal*.so*", "libtcmalloc.so*"):
+            found = glob.glob(os.path.join(vllm_dir, "libs", pattern))
+            if found:
+                out = f"{found[0]}:{out}" if out else found[0]
+                break
+    return out

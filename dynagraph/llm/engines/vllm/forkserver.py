@@ -29,12 +29,17 @@ keeps vLLM's ``spawn``.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from collections.abc import Mapping
 from multiprocessing import forkserver
 from multiprocessing.context import ForkServerContext, ForkServerProcess
 from typing import Any
+
+from dynagraph.llm.engines.vllm.adapter import cpu_preload
+
+log = logging.getLogger(__name__)
 
 PRELOAD = ["dynagraph.llm.engines.vllm.forkserver_preload"]
 """What the fork server imports before it forks anything (it imports the vLLM modules the
@@ -84,11 +89,23 @@ SET_BY_VLLM = {
     "VLLM_WORKER_MULTIPROC_METHOD": None,
     "NUMEXPR_MAX_THREADS": None,
     "TORCHINDUCTOR_COMPILE_THREADS": "1",  # read when torch._inductor is imported
+    "TORCHINDUCTOR_CPP_DYNAMIC_THREADS": None,
     "VLLM_DISABLE_SHARED_EXPERTS_STREAM": None,
+    "LOCAL_WORLD_SIZE": None,
+    "AITER_SITUV2_A4W4": None,
+    # vLLM's import (``env_override``), which the fork server runs too
+    "PYTORCH_NVML_BASED_CUDA_CHECK": None,
+    "TRITON_CACHE_AUTOTUNING": None,
+    "TILELANG_CLEANUP_TEMP_FILES": None,
+    "TORCHINDUCTOR_CACHE_DIR": None,
+    "LD_LIBRARY_PATH": None,
+    # pytest's name of the running test
+    "PYTEST_CURRENT_TEST": None,
 }
-"""Variables vLLM sets in its own process before it starts an engine's: they do not make
-a running fork server stale. Those with a value are set before a server starts (its
-imports read them), as vLLM would set them."""
+"""Variables vLLM sets in its own process (or that say nothing about an engine): they do
+not make a running fork server stale. Those with a value are set before a server starts
+(its imports read them), as vLLM would set them. (``LD_PRELOAD``, which vLLM sets for the
+processes it starts, is set before a server starts: :func:`start`.)"""
 
 _server_env: dict[str, str] | None = None
 """The environment the running fork server started with (what its imports read)."""
@@ -107,13 +124,34 @@ def start() -> None:
     for name, value in SET_BY_VLLM.items():
         if value is not None:
             os.environ.setdefault(name, value)
+    preload = _vllm_preload()
+    if preload:
+        os.environ["LD_PRELOAD"] = preload
     env = {k: v for k, v in os.environ.items() if k not in SET_BY_VLLM}
     server = _server()
     if server._forkserver_pid is not None and env != _server_env:
+        changed = sorted(k for k in env.keys() | (_server_env or {}).keys()
+                         if env.get(k) != (_server_env or {}).get(k))
+        log.info("engine fork server started again: the environment changed (%s)",
+                 ", ".join(changed))
         _abandon(server)
     forkserver.set_forkserver_preload(PRELOAD)
     forkserver.ensure_running()
     _server_env = env
+
+
+def _vllm_preload() -> str:
+    """``LD_PRELOAD`` as vLLM will set it for its engine processes (``adapter.cpu_preload``),
+    set here first: the fork server is started before vLLM would set it."""
+    import importlib.util
+
+    dirs = []
+    for name in ("torch", "vllm"):
+        spec = importlib.util.find_spec(name)
+        if spec is None or not spec.submodule_search_locations:
+            return os.environ.get("LD_PRELOAD", "")
+        dirs.append(list(spec.submodule_search_locations)[0])
+    return cpu_preload(os.environ.get("LD_PRELOAD", ""), *dirs)
 
 
 def stop() -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from dynagraph.errors import EngineError
@@ -46,3 +48,18 @@ def test_engine_start_refuses_another_vllm(monkeypatch: pytest.MonkeyPatch) -> N
     with pytest.raises(EngineError, match="0.31.0"):
         asyncio.run(engine.start())
     assert not engine.started
+
+
+def test_cpu_preload_adds_what_vllms_cpu_platform_adds(tmp_path: Path) -> None:
+    torch_dir, vllm_dir = tmp_path / "torch", tmp_path / "vllm"
+    (torch_dir / "lib").mkdir(parents=True)
+    (vllm_dir / "libs").mkdir(parents=True)
+    gomp = torch_dir / "lib" / "libgomp.so.1"
+    gomp.touch()
+    assert adapter.cpu_preload("", str(torch_dir), str(vllm_dir)) == str(gomp)
+    tcmalloc = vllm_dir / "libs" / "libtcmalloc_minimal.so.4"
+    tcmalloc.touch()
+    assert (adapter.cpu_preload("/x/libjemalloc.so", str(torch_dir), str(vllm_dir))
+            == f"{tcmalloc}:/x/libjemalloc.so:{gomp}")
+    already = f"/y/libiomp5.so:{tcmalloc}"  # an OpenMP and a tcmalloc preloaded: as is
+    assert adapter.cpu_preload(already, str(torch_dir), str(vllm_dir)) == already
