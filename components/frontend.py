@@ -135,7 +135,7 @@ class Frontend(Component):
         stream = self.processor.tokenize(envelope)
         async with contextlib.aclosing(stream):
             async for answer in stream:
-                return dict(answer)
+                return answer.body()
         raise DynagraphError("the Processor gave no tokenize answer")
 
     async def generate(self, request: OpenAIRequest, request_id: str,

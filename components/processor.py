@@ -50,7 +50,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from functools import partial
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import msgspec
 from pydantic import Field
@@ -77,10 +77,12 @@ from dynagraph.llm.postprocess import ResponseAssembler, assemble_stream
 from dynagraph.llm.processor_metrics import ProcessorMetrics
 from dynagraph.llm.protocol import (
     DetokenizeRequest,
+    DetokenizeResponse,
     LLMEngineOutput,
     OpenAIRequestEnvelope,
     PreprocessedRequest,
     TextChunk,
+    TokenizeAnswer,
     TokenizeEnvelope,
     TokenizeRequest,
     TokenizeResponse,
@@ -218,20 +220,21 @@ class Processor(Component):
             timer.finished()
 
     @endpoint()
-    async def tokenize(self, request: TokenizeEnvelope) -> AsyncGenerator[dict[str, Any], None]:
+    async def tokenize(self, request: TokenizeEnvelope) -> AsyncGenerator[TokenizeAnswer, None]:
         """``/tokenize`` and ``/detokenize`` for the model the body names."""
         pre = (await self._context(request.model)).preprocessor
         if request.kind == "detokenize":
             ids = pre.checked_token_ids(DetokenizeRequest.model_validate(request.body).tokens,
                                         "tokens")
-            yield {"prompt": pre.tokenizer.decode(ids, skip_special_tokens=False)}
+            yield TokenizeAnswer(detokenized=DetokenizeResponse(
+                prompt=pre.tokenizer.decode(ids, skip_special_tokens=False)))
             return
         tok = TokenizeRequest.model_validate(request.body)
         ids = pre.tokenize(tok)
         strs = None
         if tok.return_token_strs:
             strs = [pre.tokenizer.backend.id_to_token(i) or "" for i in ids]
-        yield msgspec.to_builtins(TokenizeResponse(
+        yield TokenizeAnswer(tokenized=TokenizeResponse(
             count=len(ids), max_model_len=pre.max_model_len or 0, tokens=ids, token_strs=strs))
 
     def _served(self) -> dict[str, ServedModel]:

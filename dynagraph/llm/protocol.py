@@ -61,7 +61,7 @@ __all__ = [
     "OpenAIRequest", "OpenAIRequestEnvelope", "PreprocessedRequest", "PromptTokensDetails",
     "Resume",
     "SamplingParams", "StreamOptions", "StructuredOutputsSpec", "TextChunk",
-    "TokenizeEnvelope", "TokenizeKind", "TokenizeRequest", "TokenizeResponse", "Usage",
+    "TokenizeAnswer", "TokenizeEnvelope", "TokenizeKind", "TokenizeRequest", "TokenizeResponse", "Usage",
 ]  # fmt: skip
 
 # ---------------------------------------------------------------------------
@@ -123,12 +123,26 @@ TokenizeKind = Literal["tokenize", "detokenize"]
 class TokenizeEnvelope(_Wire):
     """Frontend -> Processor (``tokenize`` endpoint): a ``/tokenize`` or ``/detokenize`` body.
 
-    The answer is one ``TokenizeResponse`` / ``DetokenizeResponse`` as a dict.
+    The answer is one ``TokenizeAnswer``.
     """
 
     kind: TokenizeKind
     model: str
     body: dict[str, Any]
+
+
+class TokenizeAnswer(_Wire, omit_defaults=True):
+    """Processor -> Frontend (``tokenize`` endpoint): the one of the two set for the
+    envelope's ``kind``."""
+
+    tokenized: TokenizeResponse | None = None
+    detokenized: DetokenizeResponse | None = None
+
+    def body(self) -> dict[str, Any]:
+        """The HTTP response body."""
+        answer = self.tokenized if self.tokenized is not None else self.detokenized
+        out: dict[str, Any] = msgspec.to_builtins(answer)
+        return out
 
 
 class StructuredOutputsSpec(_Wire, omit_defaults=True):
