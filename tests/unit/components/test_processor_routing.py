@@ -72,6 +72,15 @@ def decision(worker_id: int) -> dict[str, Any]:
     return {"worker_id": worker_id, "overlap_blocks": 1, "request_blocks": 1, "mode": "kv"}
 
 
+async def dispatched(processor: Make, workers: FakeWorkers) -> list[int]:
+    """The tokens a request gets through ``_dispatch`` (migration on) when no Router answers
+    (round robin over ``workers.ids``, read at each attempt)."""
+    p = processor(FakeRouter(RemoteError("X", "no router")), workers)
+    pre = PreprocessedRequest(request_id="r", token_ids=[1, 2],
+                              sampling=SamplingParams(max_tokens=2))
+    return [t async for x in p._dispatch(pre, lambda: tuple(workers.ids)) for t in x.token_ids]
+
+
 async def run(p: Processor, tokens: list[int], attempt: Attempt | None = None) -> list[Any]:
     pre = PreprocessedRequest(request_id="r", token_ids=tokens,
                               sampling=SamplingParams(max_tokens=2))
@@ -134,11 +143,7 @@ async def test_a_migration_finds_a_worker_that_joined_after_the_request_began(
             yield {"token_ids": [12], "finish_reason": "length"}
 
     workers = Workers([7])
-    p = processor(FakeRouter(RemoteError("X", "no router")), workers)
-    pre = PreprocessedRequest(request_id="r", token_ids=[1, 2],
-                              sampling=SamplingParams(max_tokens=2))
-    out = [x async for x in p._dispatch(pre, lambda: tuple(workers.ids))]
-    assert [t for x in out for t in x.token_ids] == [11, 12]
+    assert await dispatched(processor, workers) == [11, 12]
     assert workers.calls == [7, 9]
 
 
@@ -161,11 +166,7 @@ async def test_a_stalled_worker_is_asked_again_once_every_other_has_failed(
             yield {"token_ids": [12], "finish_reason": "length"}
 
     workers = Workers([5, 7])
-    p = processor(FakeRouter(RemoteError("X", "no router")), workers)
-    pre = PreprocessedRequest(request_id="r", token_ids=[1, 2],
-                              sampling=SamplingParams(max_tokens=2))
-    out = [x async for x in p._dispatch(pre, lambda: tuple(workers.ids))]
-    assert [t for x in out for t in x.token_ids] == [11, 12]
+    assert await dispatched(processor, workers) == [11, 12]
     assert workers.calls == [5, 7, 5], workers.calls
 
 # --- SLO-aware admission ---------------------------------------------------------------
@@ -287,9 +288,5 @@ async def test_a_request_waits_for_the_restart_of_its_only_worker(processor: Mak
             yield {"token_ids": [12], "finish_reason": "length"}
 
     workers = Workers([7])
-    p = processor(FakeRouter(RemoteError("X", "no router")), workers)
-    pre = PreprocessedRequest(request_id="r", token_ids=[1, 2],
-                              sampling=SamplingParams(max_tokens=2))
-    out = [x async for x in p._dispatch(pre, lambda: tuple(workers.ids))]
-    assert [t for x in out for t in x.token_ids] == [11, 12]
+    assert await dispatched(processor, workers) == [11, 12]
     assert workers.calls == [7, 7, 8], workers.calls
