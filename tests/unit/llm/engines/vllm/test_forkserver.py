@@ -60,7 +60,8 @@ def _child(queue: Any) -> None:
 def server(monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:
     """A fork server that preloads only torch (what OpenMP's settings matter to)."""
     monkeypatch.setattr(fs, "PRELOAD", ["torch"])
-    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "1")  # start() sets it otherwise
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "1")  # start() sets these two:
+    monkeypatch.setenv("LD_PRELOAD", os.environ.get("LD_PRELOAD", ""))  # restored after
     fs.start()
     yield multiprocessing.forkserver._forkserver._forkserver_pid  # type: ignore[attr-defined]
     fs.stop()
