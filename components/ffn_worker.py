@@ -25,6 +25,7 @@ import os
 from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING, Any, Literal
 
+import msgspec
 from pydantic import Field
 
 from dynagraph.config import ConfigModel
@@ -70,6 +71,18 @@ class FfnWorkerConfig(ConfigModel):
 
 class FfnInfoRequest(ConfigModel):
     """Request of the ``info`` endpoint (no fields)."""
+
+
+class FfnInfo(msgspec.Struct, kw_only=True):
+    """Answer of the ``info`` endpoint (a diagnostic)."""
+
+    peer: dict[str, Any]
+    """Where it listens and what it holds (``PeerInfo``)."""
+    calls: int
+    rows: int
+    compute_seconds: float
+    errors: int
+    connections: int
 
 
 @service(dynamo={"namespace": "dynamo"}, resources={"cpu": 1}, workers=1)
@@ -119,10 +132,10 @@ class FfnWorker(Component):
             await asyncio.to_thread(self.server.stop)
 
     @endpoint()
-    async def info(self, request: FfnInfoRequest) -> AsyncGenerator[dict[str, Any], None]:
+    async def info(self, request: FfnInfoRequest) -> AsyncGenerator[FfnInfo, None]:
         """What this worker holds, where it listens, and its call counters."""
         assert self.server is not None and self.peer is not None
         s = self.server.stats
-        yield {"peer": self.peer.model_dump(), "calls": s.calls, "rows": s.rows,
-               "compute_seconds": s.compute_seconds, "errors": s.errors,
-               "connections": s.connections}
+        yield FfnInfo(peer=self.peer.model_dump(), calls=s.calls, rows=s.rows,
+                      compute_seconds=s.compute_seconds, errors=s.errors,
+                      connections=s.connections)

@@ -19,12 +19,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncGenerator
-from typing import Any
 
 import msgspec
 from pydantic import Field
 
-from components.prefill_worker import PrefillStatus, PrefillWorker
+from components.prefill_worker import PrefillStatus, PrefillStatusReport, PrefillWorker
 from dynagraph.aio import cancel_and_wait
 from dynagraph.llm.disagg import (
     DisaggWorkerKeys,
@@ -121,9 +120,10 @@ class MockerPrefillWorker(Component):
         await self.engine.shutdown()
 
     @endpoint()
-    async def status(self, request: PrefillStatus) -> AsyncGenerator[dict[str, Any], None]:
-        yield {"engine_id": self.engine.engine_id, "outcomes": dict(self.outcomes),
-               "load": self.engine.load().model_dump()}
+    async def status(self, request: PrefillStatus
+                     ) -> AsyncGenerator[PrefillStatusReport, None]:
+        yield PrefillStatusReport(outcomes=dict(self.outcomes), engine_id=self.engine.engine_id,
+                                  load=self.engine.load().model_dump())
 
     @endpoint()
     async def kv_fetched(self, request: KvFetched) -> AsyncGenerator[PrefillAck, None]:

@@ -26,6 +26,7 @@ import time
 from collections.abc import AsyncGenerator
 from typing import Any, Literal
 
+import msgspec
 from pydantic import Field
 
 from components.prefill_worker import PrefillWorker
@@ -72,6 +73,22 @@ class PlannerConfig(PlannerPolicy):
     """The ``--name`` the graph was deployed with."""
     k8s_namespace: str | None = None
     """Default: the Planner pod's own namespace."""
+
+
+class PlannerStatusRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """Request of the ``status`` endpoint: the decisions from index ``since`` on."""
+
+    since: int = 0
+
+
+class PlannerStatus(msgspec.Struct, kw_only=True):
+    """Answer of the ``status`` endpoint (a diagnostic)."""
+
+    decode_component: str
+    prefill_component: str | None
+    target: dict[str, int]
+    serving: dict[str, int]
+    decisions: list[dict[str, Any]]
 
 
 @service(dynamo={"namespace": "dynamo"}, resources={"cpu": 1}, workers=1, controller=True)
@@ -132,15 +149,15 @@ class Planner(Component):
             await self.queue.close()
 
     @endpoint()
-    async def status(self, request: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
+    async def status(self, request: PlannerStatusRequest
+                     ) -> AsyncGenerator[PlannerStatus, None]:
         """Targets, serving counts and the decisions so far (``since``: from that index)."""
-        since = int(request.get("since", 0))
         target = self.target or Replicas(0, 0)
-        yield {"decode_component": self.decode_component,
-               "prefill_component": self.prefill_component,
-               "target": {"prefill": target.prefill, "decode": target.decode},
-               "serving": {"prefill": self.serving.prefill, "decode": self.serving.decode},
-               "decisions": self.history[since:]}
+        yield PlannerStatus(
+            decode_component=self.decode_component, prefill_component=self.prefill_component,
+            target={"prefill": target.prefill, "decode": target.decode},
+            serving={"prefill": self.serving.prefill, "decode": self.serving.decode},
+            decisions=self.history[request.since:])
 
     # -- the loop --------------------------------------------------------------------------
 

@@ -80,6 +80,17 @@ class PrefillStatus(msgspec.Struct, frozen=True, kw_only=True):
     """Request of the ``status`` endpoint (no fields)."""
 
 
+class PrefillStatusReport(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Answer of the ``status`` endpoint (a diagnostic): the jobs' outcomes so far and,
+    by kind of prefill worker, its NIXL record and fault settings or its engine and load."""
+
+    outcomes: dict[str, int]
+    nixl: dict[str, Any] | None = None
+    hold_before_reply_s: float | None = None
+    engine_id: str | None = None
+    load: dict[str, Any] | None = None
+
+
 @service(dynamo={"namespace": "dynamo"}, resources={"cpu": 1}, workers=1)
 class PrefillWorker(Component):
     LIVE_SETTINGS: ClassVar[LiveSpec[PrefillFaults]] = FAULTS
@@ -161,9 +172,10 @@ class PrefillWorker(Component):
         await self.engine.shutdown()
 
     @endpoint()
-    async def status(self, request: PrefillStatus) -> AsyncGenerator[dict[str, Any], None]:
-        yield {"nixl": self.nixl.record(), "outcomes": dict(self.outcomes),
-               "hold_before_reply_s": self.faults.current.hold_before_reply_s}
+    async def status(self, request: PrefillStatus
+                     ) -> AsyncGenerator[PrefillStatusReport, None]:
+        yield PrefillStatusReport(outcomes=dict(self.outcomes), nixl=self.nixl.record(),
+                                  hold_before_reply_s=self.faults.current.hold_before_reply_s)
 
     def _count(self, outcome: JobOutcome) -> None:
         self.outcomes[outcome.status] = self.outcomes.get(outcome.status, 0) + 1
