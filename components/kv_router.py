@@ -109,6 +109,9 @@ REBALANCE_EVERY_S = 0.25
 """Rebalancing is judged at most this often (on load reports)."""
 REASK_AFTER_S = 1.0
 """A worker asked to hand requests back is not asked again for this long."""
+HASH_CACHE_BLOCKS = 16384
+"""Digests of this many recent blocks are kept (``BlockHasher.cached_blocks``; ~1.4 KB
+each): a prefix seen again is looked up instead of hashed again."""
 T = TypeVar("T")
 
 
@@ -129,7 +132,8 @@ class Router(Component):
         self.metrics = RouterMetrics(self.runtime.registry)
         self.signer = Signer.from_env()
         self.hasher: BlockHasher | None = (
-            BlockHasher(config.block_size) if config.block_size is not None else None)
+            BlockHasher(config.block_size, cached_blocks=HASH_CACHE_BLOCKS)
+            if config.block_size is not None else None)
         self._tasks: dict[int, list[asyncio.Task[None]]] = {}
         self._keys = itertools.count()
         self._watch: Any = None
@@ -189,7 +193,7 @@ class Router(Component):
         seed = meta.get("kv_hash_seed")
         if self.hasher is None:
             kw = {"seed": seed} if isinstance(seed, str) else {}
-            self.hasher = BlockHasher(size, algo, **kw)
+            self.hasher = BlockHasher(size, algo, cached_blocks=HASH_CACHE_BLOCKS, **kw)
             log.info("hashing blocks of %d tokens (%s) as worker %x does", size, algo, w)
         elif (size, algo) != (self.hasher.block_size, self.hasher.algo) or (
                 isinstance(seed, str) and seed != self.hasher.seed):

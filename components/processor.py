@@ -303,8 +303,11 @@ class Processor(Component):
         ``admission``, once SLO-aware admission lets it through (``RequestShed`` if not)."""
         allowed = attempt.allowed(candidates)
         slo_class = pre.tenant.slo_class if pre.tenant is not None else "default"
+        # every live worker allowed (one model, none failed): say "any", not every id
+        workers = (None if len(allowed) == len(instance_ids(self.worker.generate))
+                   else allowed)
         ask = RouteRequest(pre.token_ids, track=True, mode=RouterMode(self.config.router_mode),
-                           tenant=pre.tenant, workers=allowed,
+                           tenant=pre.tenant, workers=workers,
                            slo_class=slo_class if pre.tenant is not None else None)
         turns = self.turns
         gated = admission and turns.deferrable(slo_class)

@@ -19,8 +19,10 @@ response carries ``x-request-id``: the client's, when it is a safe id, else a ne
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import math
+import os
 import re
 import time
 import uuid
@@ -244,5 +246,19 @@ def _expected_tokens(req: OpenAIRequest) -> int:
     return prompt_text_bytes(req) // 4 + (req.requested_max_tokens() or 256) * req.n
 
 
+_ID_PREFIX = uuid.uuid4().hex[:16]
+_ID_COUNTER = itertools.count()
+
+
+def _new_id_prefix() -> None:
+    global _ID_PREFIX
+    _ID_PREFIX = uuid.uuid4().hex[:16]
+
+
+os.register_at_fork(after_in_child=_new_id_prefix)  # a forked child counts on its own
+
+
 def _new_id() -> str:
-    return uuid.uuid4().hex
+    """A request id unique across processes (32 hex digits, as a uuid4's): this process's
+    random prefix and a counter (no system call per request)."""
+    return f"{_ID_PREFIX}{next(_ID_COUNTER):016x}"

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import pickle
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -75,14 +76,22 @@ class BlockHasher:
 
     ``block_size`` must equal the engine's block size, ``algo`` its
     ``prefix_caching_hash_algo`` and ``seed`` its NONE_HASH seed (see
-    :func:`seed_from_env`). Pure and thread-safe; cheap to construct.
+    :func:`seed_from_env`). Thread-safe; cheap to construct.
+
+    ``cached_blocks`` > 0 keeps the digests of that many recent blocks, keyed by what
+    is hashed (the parent's digest, the block's tokens, its extra keys): a prefix that
+    comes again (the point of prefix routing) is looked up instead of pickled and
+    hashed again. The digests are the same either way.
     """
 
     block_size: int
     algo: HashAlgo = "sha256"
     seed: str = DEFAULT_NONE_HASH_SEED
+    cached_blocks: int = field(default=0, compare=False)
     none_hash: bytes = field(init=False, repr=False)
     _fn: Callable[[Any], bytes] = field(init=False, repr=False, compare=False)
+    _cache: OrderedDict[tuple[Any, ...], bytes] = field(
+        init=False, repr=False, compare=False, default_factory=OrderedDict)
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -114,8 +123,22 @@ class BlockHasher:
         extra: tuple[Any, ...] | None = (
             (("cache_salt", cache_salt),) if cache_salt and parent is None else None)
         out: list[bytes] = []
+        limit = self.cached_blocks
+        if not limit:
+            for start in range(0, len(token_ids) - bs + 1, bs):
+                prev = fn((prev, tuple(token_ids[start : start + bs]), extra))
+                extra = None
+                out.append(prev)
+            return out
+        cache = self._cache
         for start in range(0, len(token_ids) - bs + 1, bs):
-            prev = fn((prev, tuple(token_ids[start : start + bs]), extra))
+            key = (prev, tuple(token_ids[start : start + bs]), extra)
+            digest = cache.get(key)
+            if digest is None:
+                digest = cache[key] = fn(key)
+                if len(cache) > limit:  # the oldest entry goes
+                    cache.popitem(last=False)
+            prev = digest
             extra = None
             out.append(prev)
         return out

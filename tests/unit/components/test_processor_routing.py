@@ -95,9 +95,17 @@ async def test_calls_the_worker_the_router_chose_and_closes_the_route(processor:
     router, workers = FakeRouter(decision(7)), FakeWorkers([5, 7])
     out = await run(processor(router, workers), [1, 2, 3])
     assert [x.token_ids[0] for x in out] == [7, 7] and workers.calls == [7]
-    assert router.asked == [{"token_ids": [1, 2, 3], "track": True, "mode": "kv",
-                            "workers": [5, 7]}]
+    assert router.asked == [{"token_ids": [1, 2, 3], "track": True, "mode": "kv"}]  # any
     assert router.closed == 1
+
+
+async def test_the_router_is_told_which_workers_it_may_choose_once_one_has_failed(
+        processor: Make) -> None:
+    router, workers = FakeRouter(decision(7)), FakeWorkers([5, 7])
+    at = Attempt()
+    at.failed(5)
+    await run(processor(router, workers), [1, 2, 3], at)
+    assert router.asked[0]["workers"] == [7] and workers.calls == [7]
 
 
 @pytest.mark.parametrize("exc", [InstanceUnavailable("refused"), StreamBroken("reset"),

@@ -97,3 +97,22 @@ def test_a_cache_salt_changes_every_hash_as_vllm_does() -> None:
     assert salted == SALTED
     assert not set(salted) & set(hasher.block_hashes(TOKENS))
     assert hasher.block_hashes(TOKENS, cache_salt="") == hasher.block_hashes(TOKENS)
+
+
+@pytest.mark.parametrize(("algo", "seed"), list(GOLDEN))
+def test_a_cached_hasher_gives_the_same_hashes_and_hashes_a_known_prefix_once(
+        algo: str, seed: str) -> None:
+    hasher = BlockHasher(32, algo, seed, cached_blocks=6)  # type: ignore[arg-type]
+    calls: list[object] = []
+    fn = hasher._fn
+    object.__setattr__(hasher, "_fn", lambda x: calls.append(x) or fn(x))
+    assert hasher.block_hashes(TOKENS) == GOLDEN[(algo, seed)]
+    assert len(calls) == 4
+    other = TOKENS[:64] + [7] * 64  # the first two blocks known, two new
+    assert hasher.block_hashes(other) == BlockHasher(32, algo, seed).block_hashes(other)  # type: ignore[arg-type]
+    assert len(calls) == 6
+    salted = hasher.block_hashes(TOKENS, cache_salt="t")  # salt is part of the key
+    assert salted == BlockHasher(32, algo, seed).block_hashes(TOKENS, cache_salt="t")  # type: ignore[arg-type]
+    assert len(calls) == 10
+    assert len(hasher._cache) == 6  # bounded: the oldest went
+    assert hasher.block_hashes(TOKENS) == GOLDEN[(algo, seed)]
