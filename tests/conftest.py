@@ -11,7 +11,6 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -45,34 +44,19 @@ def xdist_group_of(path: Path) -> str:
     return SHARED_GROUPS.get(package, package)
 
 
-def _grouped(config: pytest.Config) -> bool:
-    """Whether this run hands out tests by group (``--dist loadgroup``; in an xdist worker
-    ``option.loadgroup``)."""
-    return bool(getattr(config.option, "loadgroup", False)
-                or getattr(config.option, "dist", "no") == "loadgroup")
-
-
-def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """Under ``--dist loadgroup`` (``scripts/test.sh``), xdist hands out whole groups
-    (``xdist_group_of``, read from each test's path; xdist's own ``xdist_group`` marks do
-    not reach its scheduler under pytest 9)."""
-    if not _grouped(config):
-        return None
-    from xdist.scheduler import LoadScopeScheduling
-
-    class ByPackage(LoadScopeScheduling):  # type: ignore[misc]
-        def _split_scope(self, nodeid: str) -> str:
-            return xdist_group_of(REPO / nodeid.split("::", 1)[0])
-
-    return ByPackage(config, log)
-
-
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under ``--dist loadgroup``, the longest groups first (xdist hands groups out in
-    collection order)."""
-    if _grouped(config):
-        rank = {g: i for i, g in enumerate(LONGEST_FIRST)}
-        items.sort(key=lambda item: rank.get(xdist_group_of(Path(item.path)), len(rank)))
+    """Under ``--dist loadgroup`` (``scripts/test.sh``), tag each test with its group
+    (``xdist_group_of``) and put the longest groups first."""
+    if not (getattr(config.option, "loadgroup", False)
+            or getattr(config.option, "dist", "no") == "loadgroup"):
+        return
+    rank = {g: i for i, g in enumerate(LONGEST_FIRST)}
+    groups = {}
+    for item in items:
+        group = groups[item] = xdist_group_of(Path(item.path))
+        item.add_marker(pytest.mark.xdist_group(group))
+    items.sort(key=lambda item: rank.get(groups[item], len(rank)))
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -160,4 +144,3 @@ def restored_env() -> Iterator[None]:
     finally:
         os.environ.clear()
         os.environ.update(saved)
-
