@@ -20,43 +20,6 @@ pytest_plugins = ["tests.support.heartbeat"]  # a line when a long run goes quie
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL_DIR = REPO / "models" / "tiny-llama"
-TESTS = REPO / "tests"
-
-PER_MODULE = frozenset({"unit", "contract", "integration"})
-"""Packages whose modules share nothing costly: each module is a group of its own."""
-SHARED_GROUPS = {"e2e_disagg_shm": "e2e_disagg", "e2e_disagg_tier": "e2e_disagg",
-                 "e2e_disagg_wire": "e2e_disagg"}
-"""Packages that reuse another's session fixtures (the disagg agg reference) run with it."""
-LONGEST_FIRST = ("e2e_disagg", "multihost", "e2e_router", "e2e_afd", "e2e", "e2e_tenants",
-                 "vllm", "e2e_disagg_router", "observability", "e2e_mocker", "vllm_router")
-"""The groups that take minutes, longest first: handed out first, the rest fill in."""
-
-
-def xdist_group_of(path: Path) -> str:
-    """The group a test file runs in under ``pytest -n N --dist loadgroup`` (pure): all
-    tests of one package in one worker, so a package's served graph starts once."""
-    parts = path.relative_to(TESTS).parts
-    if len(parts) == 1:
-        return parts[0]
-    package = parts[0]
-    if package in PER_MODULE:
-        return "/".join(parts)
-    return SHARED_GROUPS.get(package, package)
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the marks
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under ``--dist loadgroup`` (``scripts/test.sh``), tag each test with its group
-    (``xdist_group_of``) and put the longest groups first."""
-    if not (getattr(config.option, "loadgroup", False)
-            or getattr(config.option, "dist", "no") == "loadgroup"):
-        return
-    rank = {g: i for i, g in enumerate(LONGEST_FIRST)}
-    groups = {}
-    for item in items:
-        group = groups[item] = xdist_group_of(Path(item.path))
-        item.add_marker(pytest.mark.xdist_group(group))
-    items.sort(key=lambda item: rank.get(groups[item], len(rank)))
 
 
 @pytest.fixture(scope="session", autouse=True)
