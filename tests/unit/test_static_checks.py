@@ -54,3 +54,16 @@ def test_imports_point_one_way(root: str, forbidden: str) -> None:
     bad = {f: sorted(m for m in mods if m == forbidden or m.startswith(forbidden + "."))
            for f, mods in _imported_modules(root).items()}
     assert not {f: m for f, m in bad.items() if m}
+
+
+def test_the_graphs_load_without_torch_or_vllm() -> None:
+    """Every component process imports its graph module: Frontend, Processor and Router
+    processes must not pay for torch or vLLM (seconds of CPU each at start-up); only an
+    engine loads them, when it starts."""
+    graphs = sorted(p.stem for p in (REPO / "graphs").glob("*.py") if p.stem != "__init__")
+    code = ("import importlib, sys\n"
+            f"for g in {graphs!r}: importlib.import_module('graphs.' + g)\n"
+            "print(sorted(m for m in ('torch', 'vllm') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                         text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 from dynagraph.llm.engines.vllm.args import VllmEngineArgs
 from dynagraph.llm.engines.vllm.engine_spin import SPIN_ENV
-from dynagraph.llm.kv.transfer.shm_direct import ENV as KV_SHM_ENV
+from dynagraph.llm.kv.transfer.switches import KV_SHM as KV_SHM_ENV
 
 SPREAD = "spread"
 

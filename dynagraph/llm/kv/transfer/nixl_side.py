@@ -26,8 +26,8 @@ from typing import Any, Literal
 from dynagraph.errors import ConfigError
 from dynagraph.llm.kv.transfer.nixl_settle import DEFAULT_SETTLE_US
 from dynagraph.llm.kv.transfer.nixl_settle import ENV as SETTLE_ENV
-from dynagraph.llm.kv.transfer.shm_direct import ENV as SHM_ENV
-from dynagraph.llm.kv.transfer.wire_codec import ENV as WIRE_CODEC_ENV
+from dynagraph.llm.kv.transfer.switches import KV_SHM as SHM_ENV
+from dynagraph.llm.kv.transfer.switches import KV_WIRE_CODEC as WIRE_CODEC_ENV
 from dynagraph.runtime.addresses import host_from_env
 from dynagraph.runtime.infra import free_port
 

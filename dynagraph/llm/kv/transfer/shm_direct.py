@@ -65,12 +65,11 @@ from dynagraph.llm.kv.transfer.nixl_descs import (
     merge_runs,
 )
 from dynagraph.llm.kv.transfer.shm_memory import MANIFEST_DIR, PeerMemory, _alive
+from dynagraph.llm.kv.transfer.switches import KV_SHM
 
 log = logging.getLogger(__name__)
 
-ENV = "DYNAGRAPH_KV_SHM"
-"""``1`` in an engine's environment: its KV cache goes to shared memory, published, and
-its READs from mapped peers are copies (set by the workers for ``kv-transport`` shm/auto)."""
+ENV = KV_SHM
 
 
 def enabled(environ: Mapping[str, str] = os.environ) -> bool:

@@ -61,14 +61,13 @@ from dynagraph.llm.kv.transfer.nixl_descs import (
     descriptor_rows,
     merge_ranges,
 )
+from dynagraph.llm.kv.transfer.switches import KV_WIRE_CODEC
 from dynagraph.llm.kv.transfer.wire_encode import decode_into, encode_into, memory, roundtrip
 from dynagraph.llm.kv.transfer.wire_shadow import RAW_GROUP, ShadowMap, add_trailer, split_trailer
 
 log = logging.getLogger(__name__)
 
-ENV = "DYNAGRAPH_KV_WIRE_CODEC"
-"""The codec an engine's KV crosses the NIXL wire with (set by the disagg workers from
-``kv-transfer-compression``; unset or ``none``: raw)."""
+ENV = KV_WIRE_CODEC
 
 ROUNDTRIP_RPC = "dynagraph_kv_wire_roundtrip"
 """vLLM ``collective_rpc`` method (installed by ``nixl_connector``) that round-trips the
