@@ -3,6 +3,7 @@
     DynagraphError
     ├── ConfigError            bad YAML / unknown component / unknown key / wrong type
     ├── GraphError             a graph that cannot be built (cycle, missing link, bad target)
+    ├── TraceError             a request trace that cannot be read (names the file and line)
     ├── InfraError             etcd / NATS / Prometheus missing or not ready
     ├── DiscoveryError         registration or watch failed
     ├── RequestPlaneError      anything that went wrong on a streaming RPC
@@ -53,6 +54,11 @@ class ConfigError(DynagraphError):
 
 class GraphError(DynagraphError):
     """A component graph that cannot be built or served."""
+
+
+class TraceError(DynagraphError):
+    """A request trace (``dynamo simulate --trace``) that cannot be read. The message
+    names the file and, for a bad line, its number."""
 
 
 class InfraError(DynagraphError):

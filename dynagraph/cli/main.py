@@ -5,6 +5,7 @@
     dynamo deploy k8s graphs.agg:Frontend -f configs/agg.yaml [-o DIR]   (dynagraph.cli.deploy)
     dynamo status [--watch] [--json]                                      (dynagraph.cli.status)
     dynamo settings get|set|unset COMPONENT KEY [VALUE]                   (dynagraph.cli.settings)
+    dynamo simulate GRAPH -f CONFIG --trace FILE --out DIR [...]          (dynagraph.cli.simulate)
 
 Exit codes: 0 stopped cleanly, 2 bad command line / config / graph (nothing started),
 1 the graph failed to come up, otherwise the exit code of the child that stopped it.
@@ -20,7 +21,7 @@ import os
 import sys
 from typing import NoReturn
 
-from dynagraph.cli import deploy, settings, status
+from dynagraph.cli import deploy, settings, simulate, status
 from dynagraph.cli._logging import LEVELS, exit_now, setup_logging
 from dynagraph.errors import ConfigError, DynagraphError, GraphError, InfraError
 from dynagraph.sdk._runtime import DRAIN_GRACE_S
@@ -67,6 +68,7 @@ def _parser() -> argparse.ArgumentParser:
     deploy.add_parser(sub)
     status.add_parser(sub)
     settings.add_parser(sub)
+    simulate.add_parser(sub)
     return p
 
 
@@ -81,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     overrides = _join_values(extra)
     if known.command == "deploy":
         return deploy.deploy_command(known, overrides)
+    if known.command == "simulate":
+        return simulate.simulate_command(known, overrides)
     if known.command in ("status", "settings"):
         if extra:
             print(f"dynamo {known.command}: error: unrecognized arguments: {' '.join(extra)}",

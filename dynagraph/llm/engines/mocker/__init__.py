@@ -9,7 +9,9 @@ enough that many engines share one process and one event loop.
 
 Modules: ``profile`` (timing data, step pricing), ``kv`` (block pool, prefix cache,
 KV events), ``sequence`` (one request), ``scheduler`` (vLLM v1's step),
-``transfer`` (simulated KV hand-off), ``args``, ``engine`` (the asyncio step task),
+``transfer`` (simulated KV hand-off), ``args``, ``core`` (one engine's state, step
+pricing and load, with no clock: what ``dynagraph.simulate`` drives on a virtual clock),
+``engine`` (the asyncio step task),
 ``outputs`` (refused sampling options, a request's output queue).
 ``benchmarks/profiling/profile_vllm_cpu.py`` measures the ``cpu-tiny`` profile.
 ``tests/vllm/test_mocker_fidelity.py`` runs one workload through vLLM's own scheduler and

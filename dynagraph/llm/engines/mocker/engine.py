@@ -8,6 +8,9 @@ then it delivers the step's tokens and KV events. Requests arriving meanwhile jo
 vLLM. An idle engine awaits an ``asyncio.Event`` and costs nothing; timers (a remote
 KV transfer finishing, a prefill lease expiring) are loop callbacks that wake it.
 
+The engine's state and step pricing are an ``EngineCore`` (``core.py``; no clock), which
+``dynagraph.simulate`` drives on a virtual clock instead.
+
 Everything that changes the scheduler from outside the step task (aborts, finished
 transfers, released leases) is queued and applied by that task between steps, so a
 step never sees its state change under it. Many engines can share one event loop.
@@ -19,52 +22,32 @@ import asyncio
 import contextlib
 import logging
 import math
-import os
 import secrets
 import time
 from collections import deque
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
-from dynagraph.errors import ConfigError, EngineError, InvalidRequest, PromptTooLong
+from dynagraph.errors import EngineError, InvalidRequest
 from dynagraph.llm.engines.base import EngineLoad, EngineOutput, SamplingSpec
 from dynagraph.llm.router.events import KvEvent
-from dynagraph.llm.router.hashing import BlockHasher, seed_from_env
 
 from .args import MockerEngineArgs
-from .outputs import OutputStream, unsupported
-from .profile import Profile, load_profile
-from .scheduler import Delta, RemoteLoad, Scheduler, SchedulerConfig
-from .sequence import Sequence, TokenSource, output_key
+from .core import EngineCore, StepStats
+from .outputs import OutputStream
+from .profile import Profile
+from .scheduler import Delta, RemoteLoad
 from .transfer import KvTransferRegistry, process_registry, transfer_seconds
 
 log = logging.getLogger(__name__)
+
+__all__ = ["MAX_CATCH_UP_S", "MockerEngine", "StepStats"]
 
 KvEventsCallback = Callable[[list[KvEvent]], None]
 SHUTDOWN_TIMEOUT_S = 5.0
 MAX_CATCH_UP_S = 0.05
 """A step that starts at most this late after the previous one's end is timed from that
 end (see ``_loop``); later than that (an idle gap, a stalled process), from now."""
-
-
-class StepStats:
-    """Counters of the step task (for benchmarks, tests and ``load()``)."""
-
-    __slots__ = ("busy_seconds", "decode_seconds", "decode_steps", "prefill_seconds",
-                 "prefill_tokens", "python_seconds", "steps")
-
-    def __init__(self) -> None:
-        self.steps = 0
-        self.busy_seconds = 0.0
-        """Simulated step time (after the speed factor)."""
-        self.python_seconds = 0.0
-        """Wall time spent in the scheduler and delivering outputs: the mocker's own cost."""
-        self.prefill_tokens = 0
-        self.prefill_seconds = 0.0
-        """Simulated time of the steps that computed prompt tokens."""
-        self.decode_steps = 0
-        self.decode_seconds = 0.0
-        """Simulated time of the steps that only decoded."""
 
 
 class MockerEngine:
@@ -87,38 +70,19 @@ class MockerEngine:
         profile: Profile | None = None,
     ) -> None:
         self.args = args
-        self.profile = profile if profile is not None else load_profile(args.profile)
-        self.block_size = args.block_size or self.profile.block_size
-        bytes_per_block = self.profile.kv_bytes_per_token * self.block_size
-        self.num_blocks = args.num_gpu_blocks or int(args.kv_cache_space_gib * 2**30
-                                                     // bytes_per_block)
-        needed = -(-args.max_model_len // self.block_size) + 1
-        if self.num_blocks < needed:
-            raise ConfigError(
-                f"{self.num_blocks} KV blocks of {self.block_size} tokens cannot hold one "
-                f"request of max-model-len {args.max_model_len} (needs {needed})",
-                key="num-gpu-blocks",
-            )
-        self.engine_id = args.engine_id or f"mocker-{secrets.token_hex(4)}"
-        self.max_model_len = args.max_model_len
-        self.hasher = BlockHasher(self.block_size, args.prefix_caching_hash_algo,
-                                  seed_from_env(os.environ))
-        self.scheduler = Scheduler(SchedulerConfig(
-            num_gpu_blocks=self.num_blocks, block_size=self.block_size,
-            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-            enable_prefix_caching=args.enable_prefix_caching, watermark=args.watermark,
-            engine_id=self.engine_id, emit_events=on_kv_events is not None,
-            policy=args.scheduling_policy,
-        ))
+        self.core = EngineCore(args, engine_id=args.engine_id or f"mocker-{secrets.token_hex(4)}",
+                               emit_events=on_kv_events is not None, profile=profile)
+        core = self.core
+        self.profile = core.profile
+        self.block_size = core.block_size
+        self.num_blocks = core.num_blocks
+        self.engine_id = core.engine_id
+        self.max_model_len = core.max_model_len
+        self.hasher = core.hasher
+        self.scheduler = core.scheduler
+        self.stats = core.stats
         self.on_kv_events = on_kv_events
         self.registry = registry if registry is not None else process_registry()
-        self.stats = StepStats()
-        self._admitted = 0
-        chunk = args.max_num_batched_tokens
-        chunk_s = self.profile.prefill_seconds(chunk, 0)
-        self._nominal_prefill_tps = chunk * args.speed / chunk_s if chunk_s > 0 else None
-        self._nominal_decode_s = self.profile.decode_seconds(1, 1024) / args.speed or None
-        self._excluded = frozenset(args.eos_token_ids)
         self._streams: dict[str, OutputStream] = {}
         self._ops: deque[Callable[[], object]] = deque()
         self._wake = asyncio.Event()
@@ -166,21 +130,7 @@ class MockerEngine:
     def load(self) -> EngineLoad:
         """The scheduler's state and the step counters (simulated seconds, as the Router
         should learn them), with the profile's nominal speeds as the Router's priors."""
-        s, st = self.scheduler, self.stats
-        return EngineLoad(
-            running=s.num_running, waiting=s.num_waiting, kv_blocks_used=s.kv.num_used_blocks,
-            kv_blocks_total=self.num_blocks, prefix_cache_queries=s.prefix_cache_queries,
-            prefix_cache_hits=s.prefix_cache_hits,
-            requests_total=self._admitted,
-            prefilling=sum(1 for seq in s.requests.values()
-                           if seq.num_computed_tokens < seq.num_prompt_tokens),
-            prefill_tokens_total=st.prefill_tokens, prefill_seconds_total=st.prefill_seconds,
-            decode_steps_total=st.decode_steps, decode_seconds_total=st.decode_seconds,
-            max_num_batched_tokens=self.args.max_num_batched_tokens,
-            max_num_seqs=self.args.max_num_seqs,
-            nominal_prefill_tokens_per_s=self._nominal_prefill_tps,
-            nominal_decode_step_s=self._nominal_decode_s,
-        )
+        return self.core.load()
 
     async def abort(self, request_id: str) -> None:
         if request_id in self._streams:
@@ -229,36 +179,10 @@ class MockerEngine:
             raise EngineError("the mocker engine is not started (call start() first)")
         if self._failed is not None:
             raise EngineError(f"the mocker engine {self.engine_id} failed: {self._failed}")
-        if not prompt:
-            raise InvalidRequest("the prompt is empty", param="prompt")
-        refused = unsupported(sampling)
-        if refused is not None:
-            raise InvalidRequest(f"the mocker engine cannot honour {refused}: it has no model "
-                                 "to produce it", param=refused)
-        if len(prompt) >= self.max_model_len:
-            raise PromptTooLong(
-                f"the prompt has {len(prompt)} tokens; the model's context is "
-                f"{self.max_model_len} tokens including at least one generated token",
-                param="prompt", code="context_length_exceeded",
-            )
+        seq = self.core.sequence(request_id, prompt, sampling, kv_transfer_params)
         if request_id in self._streams:
             raise InvalidRequest(f"request id {request_id!r} is already in flight")
-        limit = self.max_model_len - len(prompt)
-        max_tokens = min(sampling.max_tokens or limit, limit)
-        params = kv_transfer_params or {}
-        key = output_key(prompt, engine_seed=self.args.seed, request_id=request_id,
-                         temperature=sampling.temperature, seed=sampling.seed)
-        seq = Sequence(
-            request_id, prompt, max_tokens=max_tokens, hasher=self.hasher,
-            tokens=TokenSource(key, self.args.vocab_size,
-                               self._excluded | frozenset(sampling.stop_token_ids)),
-            remote_decode=bool(params.get("do_remote_decode")),
-            remote_prefill=dict(params) if params.get("do_remote_prefill") else None,
-            cache_salt=sampling.cache_salt,
-            priority=sampling.priority if self.args.scheduling_policy == "priority" else 0,
-        )
-        self.scheduler.add(seq)
-        self._admitted += 1
+        self.core.admit(seq)
         stream = self._streams[request_id] = OutputStream()
         self._wake.set()
         return stream
@@ -284,8 +208,7 @@ class MockerEngine:
         loop = asyncio.get_running_loop()
         sched = self.scheduler
         stats = self.stats
-        speed = self.args.speed
-        price = self.profile.step_seconds
+        core = self.core
         ops = self._ops
         deadline = -math.inf  # when the previous step ended on the simulated timeline
         while True:
@@ -303,7 +226,7 @@ class MockerEngine:
             # do not add up, and the mean step time stays the profile's.
             began = deadline if now - deadline <= MAX_CATCH_UP_S else now
             t0 = time.perf_counter()
-            result = sched.step()
+            result, duration = core.step()
             for load in result.loads:
                 self._start_load(load, began)
             if not result.scheduled:  # blocked (no blocks, no budget): wait for a change
@@ -314,15 +237,6 @@ class MockerEngine:
                     await self._wake.wait()
                     deadline = -math.inf
                 continue
-            duration = price(result.work) / speed
-            stats.steps += 1
-            stats.busy_seconds += duration
-            if result.work.prefill_tokens:
-                stats.prefill_tokens += result.work.prefill_tokens
-                stats.prefill_seconds += duration
-            elif result.work.decode_seqs:
-                stats.decode_steps += 1
-                stats.decode_seconds += duration
             stats.python_seconds += time.perf_counter() - t0
             deadline = began + duration
             delay = deadline - loop.time()

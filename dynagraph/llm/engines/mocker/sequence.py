@@ -100,6 +100,7 @@ class Sequence:
         remote_prefill: dict[str, Any] | None = None,
         cache_salt: str | None = None,
         priority: int = 0,
+        digests: list[bytes] | None = None,
     ) -> None:
         if not prompt:
             raise InvalidRequest("the prompt is empty", param="prompt")
@@ -129,7 +130,11 @@ class Sequence:
         self.cache_salt = cache_salt
         """Goes into the first block's hash (as vLLM's ``cache_salt``): salted prefixes
         are shared only with the same salt."""
-        self._digests: list[bytes] = hasher.digests(self.token_ids, cache_salt=cache_salt)
+        self._digests: list[bytes] = (
+            hasher.digests(self.token_ids, cache_salt=cache_salt) if digests is None
+            else list(digests))
+        """``digests``: the prompt's block digests when the caller already has them (a
+        simulation that hashes each shared prefix once); they must equal these."""
         self.block_hashes: list[int] = [int.from_bytes(d[-8:], "big") for d in self._digests]
 
     @property
