@@ -19,6 +19,7 @@ Modules, one concept each:
     report   summary, per-request lines, time series (pure)
     plots    the PNG plots
     run      the command's work: resolve, read, run, write
+    served   the served twin: trace slices, request bodies, served vs simulated figures
 """
 
 from __future__ import annotations
