@@ -14,7 +14,6 @@ import asyncio
 import json
 import time
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import Any
 
 from dynagraph.simulate.served import ServedRequest
@@ -77,20 +76,3 @@ async def replay_open_loop(base_url: str, requests: Sequence[TraceRequest],
         return list(await asyncio.gather(*(_one(session, url, r, b, t0, limit_s)
                                            for r, b in zip(requests, bodies, strict=True))))
 
-
-def conversations(requests: Sequence[TraceRequest], count: int) -> list[TraceRequest]:
-    """About ``count`` requests of ``requests`` (at most), whole conversations of two or
-    more turns (requests sharing more than their first block) taken in the order of their
-    first turn, renumbered from 0 in arrival order with their arrival times kept: a small
-    slice whose prefix reuse, which a short window of a trace rarely holds, the routing
-    decides."""
-    groups: dict[tuple[int, int], list[TraceRequest]] = {}
-    for r in requests:
-        if len(r.hash_ids) > 1:
-            groups.setdefault((r.hash_ids[0], r.hash_ids[1]), []).append(r)
-    got: list[TraceRequest] = []
-    for turns in groups.values():
-        if len(turns) > 1 and len(got) + len(turns) <= count:
-            got += turns
-    got.sort(key=lambda r: r.arrival_s)
-    return [replace(r, index=i) for i, r in enumerate(got)]
